@@ -18,12 +18,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m attnlib")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
-        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub = commands.add_parser(name, help=help_text, add_help=False)
         sub.set_defaults(module=module)
     args, rest = parser.parse_known_args(argv)
     # Each module defines add_arguments(parser) and run(args) -> exit code.
     module = importlib.import_module(args.module)
-    sub = argparse.ArgumentParser(prog=f"python -m attnlib {args.command}")
+    sub = argparse.ArgumentParser(
+        prog=f"python -m attnlib {args.command}", description=COMMANDS[args.command][1]
+    )
     module.add_arguments(sub)
     return module.run(sub.parse_args(rest))
 

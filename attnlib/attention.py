@@ -27,7 +27,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if not q.dtype.is_floating_point:
         raise ValueError(f"q, k and v must be floating point, got {q.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise ValueError(
+            f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}"
+        )
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(
             f"batch sizes differ: q has {q.shape[0]}, k has {k.shape[0]}, v has {v.shape[0]}"
@@ -72,7 +74,9 @@ def resolve_positions(
             f"more queries ({queries}) than keys ({keys}): the default query positions "
             "S-T..S-1 need T <= S, so pass query_positions"
         )
-    query_pos = _positions(query_positions, batch, queries, keys - queries, "query_positions", device)
+    query_pos = _positions(
+        query_positions, batch, queries, keys - queries, "query_positions", device
+    )
     key_pos = _positions(key_positions, batch, keys, 0, "key_positions", device)
     return query_pos, key_pos
 
@@ -169,7 +173,7 @@ def causal_attention(
 
 
 def sliding_window(query_positions, key_positions, window: int) -> torch.Tensor:
-    """The `allowed` mask of a sliding window: query i may see key j iff pos(q_i) - pos(k_j) < window.
+    """The `allowed` mask of a window: query i may see key j iff pos(q_i) - pos(k_j) < window.
 
     Together with the causal rule each query sees only its last `window` keys (itself included).
     Positions [T] and [S] give [T, S]; positions with a batch axis give [B, 1, T, S].

@@ -44,12 +44,17 @@ def slider_views(description, options, render, start=0):
     """
     options = list(options)
     if not has_stack():
+
         def show(option):
             content = render(option)
             display(Image(content) if isinstance(content, (bytes, bytearray)) else HTML(content))
 
-        return widgets.interactive(show, option=widgets.SelectionSlider(
-            options=options, value=options[start], description=description))
+        return widgets.interactive(
+            show,
+            option=widgets.SelectionSlider(
+                options=options, value=options[start], description=description
+            ),
+        )
     views = [_view(render(option)) for option in options]
     slider = widgets.SelectionSlider(
         options=[str(option) for option in options],
@@ -74,8 +79,10 @@ def choice_views(description, choices, start=0):
     labels = list(choices)
     views = [c if isinstance(c, widgets.Widget) else _view(c) for c in choices.values()]
     if not has_stack():
-        return widgets.interactive(lambda choice: display(views[labels.index(choice)]),
-                                   choice=widgets.ToggleButtons(options=labels, value=labels[start]))
+        return widgets.interactive(
+            lambda choice: display(views[labels.index(choice)]),
+            choice=widgets.ToggleButtons(options=labels, value=labels[start]),
+        )
     buttons = widgets.ToggleButtons(options=labels, index=start, description=description)
     stack = widgets.Stack(children=views, selected_index=start)
     widgets.jslink((buttons, "index"), (stack, "selected_index"))
