@@ -24,6 +24,7 @@ book: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check attnlib tests
+	$(VENV)/bin/ruff format --check attnlib tests
 
 test: lint
 	$(PY) -m pytest

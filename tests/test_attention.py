@@ -1,0 +1,216 @@
+import pytest
+import torch
+
+from attnlib import (
+    SIX_TOKENS,
+    attention_weights,
+    causal_attention,
+    left_padding,
+    merge_heads,
+    repeat_kv,
+    sliding_window,
+    split_heads,
+)
+
+from .references import bottom_right_mask, brute_force, sdpa
+
+
+def randn(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def arange_rows(batch, start, stop):
+    return torch.arange(start, stop).expand(batch, stop - start)
+
+
+@pytest.mark.parametrize(
+    "queries,keys", [(6, 6), (1, 58), (8, 48), (3, 5)], ids=["square", "decode", "chunk", "small"]
+)
+def test_equals_sdpa_with_bottom_right_mask(queries, keys):
+    q, k, v = (
+        randn(2, 4, queries, 16, seed=1),
+        randn(2, 2, keys, 16, seed=2),
+        randn(2, 2, keys, 8, seed=3),
+    )
+    mask = bottom_right_mask(arange_rows(2, keys - queries, keys), arange_rows(2, 0, keys))
+    assert torch.allclose(causal_attention(q, k, v), sdpa(q, k, v, mask), atol=1e-6)
+
+
+def test_sdpa_is_causal_is_top_left_so_wrong_for_decoding():
+    q, k, v = randn(1, 2, 1, 8, seed=1), randn(1, 2, 58, 8, seed=2), randn(1, 2, 58, 8, seed=3)
+    top_left = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # One decode query under is_causal=True sees only key 0: its output is v[..., 0, :].
+    assert torch.allclose(top_left[:, :, 0], v[:, :, 0], atol=1e-6)
+    assert not torch.allclose(causal_attention(q, k, v), top_left, atol=1e-3)
+    query_positions = torch.tensor([[57]])
+    assert torch.allclose(
+        causal_attention(q, k, v, query_positions=query_positions),
+        sdpa(q, k, v, bottom_right_mask(query_positions, arange_rows(1, 0, 58))),
+        atol=1e-6,
+    )
+
+
+def test_default_is_the_causal_triangle_when_square():
+    q, k, v = randn(1, 3, 7, 4, seed=4), randn(1, 3, 7, 4, seed=5), randn(1, 3, 7, 4, seed=6)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(causal_attention(q, k, v), expected, atol=1e-6)
+
+
+def test_six_token_causal_table():
+    x = SIX_TOKENS[None, None]  # [1, 1, 6, 3]
+    weights = attention_weights(x, x, scale=1.0)[0, 0]
+    assert round(float(weights[5, 0]), 6) == 0.138471  # the seed printed 0.139
+    assert torch.equal(weights[0], torch.tensor([1.0, 0, 0, 0, 0, 0]))
+    assert torch.allclose(weights.sum(-1), torch.ones(6))
+    assert torch.equal(torch.triu(weights, diagonal=1), torch.zeros(6, 6))
+    unmasked = torch.softmax(SIX_TOKENS @ SIX_TOKENS.T, dim=-1)
+    assert torch.allclose(weights[5], unmasked[5])
+
+
+def test_changing_the_last_token_leaves_earlier_outputs_bit_identical():
+    x = randn(2, 4, 9, 8, seed=7)
+    changed = x.clone()
+    changed[:, :, -1] = randn(2, 4, 8, seed=8) * 100
+    before, after = causal_attention(x, x, x), causal_attention(changed, changed, changed)
+    assert torch.equal(before[:, :, :-1], after[:, :, :-1])
+    assert not torch.equal(before[:, :, -1], after[:, :, -1])
+
+
+def test_gqa_query_head_reads_kv_head_h_div_group():
+    q, k, v = randn(1, 16, 3, 8, seed=9), randn(1, 8, 3, 8, seed=10), randn(1, 8, 3, 8, seed=11)
+    base = causal_attention(q, k, v)
+    poked = v.clone()
+    poked[:, 5] += 1.0  # perturb KV head 5 only
+    changed = (causal_attention(q, k, poked) - base).abs().amax(dim=(0, 2, 3)) > 0
+    assert changed.nonzero().flatten().tolist() == [10, 11]  # 10 // 2 == 11 // 2 == 5
+    assert torch.equal(repeat_kv(k, 2)[:, 11], k[:, 5])
+
+
+def test_scale_and_dv_differs():
+    q, k, v = randn(1, 2, 4, 6, seed=12), randn(1, 2, 4, 6, seed=13), randn(1, 2, 4, 3, seed=14)
+    positions = arange_rows(1, 0, 4)
+    expected = brute_force(q, k, v, positions, positions, scale=0.3)
+    assert torch.allclose(causal_attention(q, k, v, scale=0.3).double(), expected, atol=1e-6)
+
+
+def test_query_that_sees_nothing_outputs_zeros_like_sdpa():
+    q, k, v = randn(1, 1, 3, 4, seed=15), randn(1, 1, 3, 4, seed=16), randn(1, 1, 3, 4, seed=17)
+    allowed = torch.tensor([[True, False, False], [False, False, False], [True, True, True]])
+    out = causal_attention(q, k, v, allowed=allowed)
+    assert torch.equal(out[0, 0, 1], torch.zeros(4))
+    mask = bottom_right_mask(arange_rows(1, 0, 3), arange_rows(1, 0, 3), allowed)
+    assert torch.allclose(out, sdpa(q, k, v, mask), atol=1e-6)
+    assert not torch.isnan(out).any()
+
+
+def test_float64_stays_float64_and_half_is_computed_in_float32():
+    q = randn(1, 2, 5, 8, seed=18, dtype=torch.float64)
+    assert causal_attention(q, q, q).dtype == torch.float64
+    assert attention_weights(q, q).dtype == torch.float64
+    half = q.to(torch.bfloat16)
+    assert causal_attention(half, half, half).dtype == torch.bfloat16
+    assert attention_weights(half, half).dtype == torch.float32
+
+
+def test_sliding_window_sees_only_last_w_keys():
+    positions = torch.arange(10)
+    allowed = sliding_window(positions, positions, 3)
+    q = randn(1, 1, 10, 4, seed=19)
+    weights = attention_weights(q, q, allowed=allowed)[0, 0]
+    for i in range(10):
+        assert (weights[i] > 0).nonzero().flatten().tolist() == list(range(max(0, i - 2), i + 1))
+    batched = sliding_window(positions.expand(2, 10), positions.expand(2, 10), 3)
+    assert batched.shape == (2, 1, 10, 10) and torch.equal(batched[1, 0], allowed)
+
+
+def test_left_padding_rows_equal_their_unpadded_sequences():
+    lengths = [5, 3]
+    positions, allowed = left_padding(lengths, 5)
+    assert positions.tolist() == [[0, 1, 2, 3, 4], [-2, -1, 0, 1, 2]]
+    x = randn(2, 2, 5, 4, seed=20)
+    out = causal_attention(x, x, x, positions, positions, allowed=allowed)
+    alone = causal_attention(x[1:, :, 2:], x[1:, :, 2:], x[1:, :, 2:])
+    assert torch.allclose(out[1:, :, 2:], alone, atol=1e-6)
+    assert torch.equal(out[1, :, :2], torch.zeros(2, 2, 4))  # pad queries see nothing
+
+
+def test_transpose_trap():
+    batch, tokens, heads, head_dim = 2, 6, 2, 4  # head 1 of token 2: features 4..7
+    features = torch.arange(heads * head_dim)
+    x = (100 * torch.arange(tokens)[:, None] + features).float().expand(batch, tokens, -1)
+    heads_view = split_heads(x, heads)  # [B, H, T, Dh]
+    assert torch.equal(heads_view[0, 1, 2], x[0, 2, head_dim : 2 * head_dim])
+    assert torch.equal(merge_heads(heads_view), x)
+    wrong = x.reshape(batch, heads, tokens, head_dim)  # right shape, wrong data
+    assert wrong.shape == heads_view.shape
+    assert not torch.equal(wrong[0, 1, 2], x[0, 2, head_dim : 2 * head_dim])
+    assert not torch.equal(wrong, heads_view)
+
+
+BAD_CALLS = {
+    "rank": (lambda: causal_attention(randn(2, 3, 4), randn(1, 2, 3, 4), randn(1, 2, 3, 4)), "4-D"),
+    "head dim": (
+        lambda: causal_attention(randn(1, 2, 3, 4), randn(1, 2, 3, 5), randn(1, 2, 3, 5)),
+        "head dimension of q (4) must equal that of k (5)",
+    ),
+    "batch": (
+        lambda: causal_attention(randn(2, 2, 3, 4), randn(1, 2, 3, 4), randn(1, 2, 3, 4)),
+        "batch sizes differ",
+    ),
+    "gqa": (
+        lambda: causal_attention(randn(1, 6, 3, 4), randn(1, 4, 3, 4), randn(1, 4, 3, 4)),
+        "query heads (6) must be a multiple of KV heads (4)",
+    ),
+    "positions length": (
+        lambda: causal_attention(*[randn(1, 1, 3, 4)] * 3, query_positions=torch.arange(4)),
+        "query_positions must have shape [3] or [1, 3], got [4]",
+    ),
+    "positions shape": (
+        lambda: causal_attention(*[randn(2, 1, 3, 4)] * 3, key_positions=torch.zeros(3, 3).long()),
+        "key_positions must have shape [3] or [2, 3], got [3, 3]",
+    ),
+    "float positions": (
+        lambda: causal_attention(*[randn(1, 1, 3, 4)] * 3, key_positions=torch.zeros(3)),
+        "must hold integers",
+    ),
+    "allowed broadcast": (
+        lambda: causal_attention(*[randn(1, 2, 3, 4)] * 3, allowed=torch.ones(3, 4).bool()),
+        "cannot broadcast to [B, Hq, T, S] = [1, 2, 3, 3]",
+    ),
+    "allowed too big": (
+        lambda: causal_attention(*[randn(1, 2, 3, 4)] * 3, allowed=torch.ones(2, 1, 3, 3).bool()),
+        "cannot broadcast",
+    ),
+    "allowed dtype": (
+        lambda: causal_attention(*[randn(1, 2, 3, 4)] * 3, allowed=torch.ones(3, 3)),
+        "boolean",
+    ),
+    "window": (lambda: sliding_window(torch.arange(3), torch.arange(3), 0), "at least 1"),
+    "dtype": (
+        lambda: causal_attention(randn(1, 1, 3, 4), randn(1, 1, 3, 4).half(), randn(1, 1, 3, 4)),
+        "must share a dtype",
+    ),
+    "device": (
+        lambda: causal_attention(
+            randn(1, 1, 3, 4), randn(1, 1, 3, 4).to("meta"), randn(1, 1, 3, 4).to("meta")
+        ),
+        "one device",
+    ),
+    "too many queries": (
+        lambda: causal_attention(randn(1, 1, 5, 4), randn(1, 1, 3, 4), randn(1, 1, 3, 4)),
+        "more queries (5) than keys (3)",
+    ),
+    "kv mismatch": (
+        lambda: causal_attention(randn(1, 1, 3, 4), randn(1, 1, 3, 4), randn(1, 1, 2, 4)),
+        "same KV heads and keys",
+    ),
+    "split heads": (lambda: split_heads(randn(1, 3, 10), 4), "features (10) must be a multiple"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CALLS, ids=list(BAD_CALLS))
+def test_bad_input_raises_value_error_naming_the_problem(case):
+    call, message = BAD_CALLS[case]
+    with pytest.raises(ValueError) as error:
+        call()
+    assert message in str(error.value)
