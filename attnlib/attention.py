@@ -86,11 +86,13 @@ def check_allowed(allowed, target: Tuple[int, int, int, int]) -> torch.Tensor:
     if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:
         kind = allowed.dtype if isinstance(allowed, torch.Tensor) else type(allowed).__name__
         raise ValueError(f"allowed must be a boolean tensor (True = may attend), got {kind}")
-    try:
-        shape = torch.broadcast_shapes(allowed.shape, target)
-    except RuntimeError:
-        shape = None
-    if shape != torch.Size(target):
+    # Broadcasting to target means: no more axes than target, and each axis is 1 or equal.
+    # (Written out: torch.broadcast_shapes imports sympy, half a second on first use.)
+    axes = tuple(allowed.shape)
+    fits = len(axes) <= len(target) and all(
+        size in (1, want) for size, want in zip(reversed(axes), reversed(target))
+    )
+    if not fits:
         raise ValueError(
             f"allowed of shape {_shape(allowed)} cannot broadcast to [B, Hq, T, S] = {list(target)}"
         )
