@@ -1,0 +1,128 @@
+"""Every chapter notebook follows the book's conventions (see the common brief).
+
+Cell 0 links to the notebook's own page on Colab, cell 1 is the Colab set-up cell, every code
+cell was executed in order, no output shows a memory address, and every cell whose output
+nbval ignores says why.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+CONFIG = yaml.safe_load((ROOT / "_config.yml").read_text())
+REPOSITORY = CONFIG["repository"]["url"].rstrip("/")  # https://github.com/ORG/REPO
+BRANCH = CONFIG["repository"].get("branch", "main")
+ORG_REPO = re.fullmatch(r"https://github\.com/([^/]+/[^/]+?)(?:\.git)?", REPOSITORY).group(1)
+ADDRESS = re.compile(r"\bat 0x[0-9a-fA-F]{4,}|\b0x7f[0-9a-fA-F]{6,}")
+IGNORE = "NBVAL_IGNORE_OUTPUT"
+
+
+def source(cell) -> str:
+    text = cell["source"]
+    return text if isinstance(text, str) else "".join(text)
+
+
+def cells(path):
+    return json.loads(path.read_text())["cells"]
+
+
+def text_outputs(cell):
+    """The text an output shows: streams, tracebacks and the text/* representations."""
+    for output in cell.get("outputs", []):
+        if "text" in output:
+            yield source({"source": output["text"]})
+        for value in output.get("traceback", []):
+            yield value
+        for mime, value in output.get("data", {}).items():
+            if mime.startswith("text/"):
+                yield source({"source": value})
+
+
+def notebook_id(path):
+    return path.stem
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS, "no notebooks/*.ipynb found"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=notebook_id)
+def test_cell_0_is_the_title_and_its_own_colab_link(path):
+    first = cells(path)[0]
+    assert first["cell_type"] == "markdown", "cell 0 must be markdown"
+    text = source(first)
+    assert text.startswith("# "), "cell 0 must start with the chapter title, '# ...'"
+    link = (
+        f"https://colab.research.google.com/github/{ORG_REPO}/blob/{BRANCH}/notebooks/{path.name}"
+    )
+    assert f"[Open in Colab]({link})" in text, f"cell 0 must link to {link}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=notebook_id)
+def test_cell_1_is_the_colab_set_up_cell(path):
+    notebook = cells(path)
+    assert len(notebook) > 1 and notebook[1]["cell_type"] == "code", "cell 1 must be code"
+    text = source(notebook[1])
+    assert text.startswith("# Colab set-up"), "cell 1 must start with '# Colab set-up'"
+    install = f'"attnlib[book] @ git+{REPOSITORY}"'
+    assert install in text, f"cell 1 must pip install {install}"
+    guard = 'if "google.colab" in sys.modules:'
+    assert guard in text, "cell 1 must install only inside Colab"
+    assert text.index(guard) < text.index('"pip"') < text.index(install), "install is unguarded"
+    assert not re.search(r"[\"']torch", text), "cell 1 must leave Colab's torch alone"
+    assert not notebook[1].get("outputs"), "outside Colab, cell 1 must print nothing"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=notebook_id)
+def test_one_top_level_heading(path):
+    headings = []
+    for cell in cells(path):
+        if cell["cell_type"] != "markdown":
+            continue
+        fenced = False
+        for line in source(cell).splitlines():
+            if line.lstrip().startswith(("```", "~~~")):
+                fenced = not fenced
+            elif not fenced and re.match(r"# \S", line):
+                headings.append(line)
+    assert len(headings) == 1, f"expected one '# ' heading, found {headings}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=notebook_id)
+def test_every_code_cell_was_executed_in_order(path):
+    counts = [cell.get("execution_count") for cell in cells(path) if cell["cell_type"] == "code"]
+    assert counts, "no code cells"
+    assert counts == list(range(1, len(counts) + 1)), (
+        f"execution counts {counts}: run all, in order"
+    )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=notebook_id)
+def test_no_output_shows_a_memory_address(path):
+    for number, cell in enumerate(cells(path)):
+        for text in text_outputs(cell):
+            found = ADDRESS.search(text)
+            assert not found, f"cell {number} prints a memory address: {found.group(0)!r}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=notebook_id)
+def test_every_ignored_output_says_why(path):
+    for number, cell in enumerate(cells(path)):
+        if cell["cell_type"] != "code":
+            continue
+        lines = source(cell).splitlines()
+        tagged = "nbval-ignore-output" in cell.get("metadata", {}).get("tags", [])
+        marked = [i for i, line in enumerate(lines) if IGNORE in line]
+        if tagged and not marked:
+            reasons = [line for line in lines if re.match(r"\s*#\s*\w+", line)]
+            assert reasons, f"cell {number} ignores its output without a comment saying why"
+        for i in marked:
+            after = lines[i].split(IGNORE, 1)[1].strip(" :-—()")
+            following = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            has_reason = re.search(r"[A-Za-z]{3}", after) or re.match(r"#\s*\S.{8,}", following)
+            assert has_reason, f"cell {number}: say why next to {IGNORE} (same or next line)"
