@@ -2,10 +2,7 @@
 
 import io
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display needed; notebooks still show figures inline
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt  # with no display matplotlib picks Agg; Jupyter shows inline
 
 FIGSIZE = (5.0, 4.0)
 CMAP = "viridis"
