@@ -15,24 +15,31 @@ from .attention import (
     sliding_window,
     split_heads,
 )
+from .cost import attention_flops, longest_fitting_length, score_matrix_bytes, visible_pairs
 from .data import SIX_TOKENS, SIX_WORDS
 from .mha import KVCache, MultiHeadAttention
 from .softmax import softmax, softmax_jacobian
+from .tiled import tiled_attention
 
 __all__ = [
     "KVCache",
     "MultiHeadAttention",
     "SIX_TOKENS",
     "SIX_WORDS",
+    "attention_flops",
     "attention_weights",
     "causal_attention",
     "left_padding",
+    "longest_fitting_length",
     "loops",
     "merge_heads",
     "repeat_kv",
+    "score_matrix_bytes",
     "sliding_window",
     "softmax",
     "softmax_jacobian",
     "split_heads",
+    "tiled_attention",
+    "visible_pairs",
 ]
 __version__ = "0.1.0"
