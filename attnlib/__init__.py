@@ -14,6 +14,7 @@ from .attention import (
     repeat_kv,
     sliding_window,
     split_heads,
+    visible,
 )
 from .cost import attention_flops, longest_fitting_length, score_matrix_bytes, visible_pairs
 from .data import SIX_TOKENS, SIX_WORDS
@@ -40,6 +41,7 @@ __all__ = [
     "softmax_jacobian",
     "split_heads",
     "tiled_attention",
+    "visible",
     "visible_pairs",
 ]
 __version__ = "0.1.0"

@@ -9,6 +9,8 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     Subtracting the row maximum changes nothing mathematically and keeps exp() finite.
     A row that is entirely -inf (a query that sees no key) returns zeros, not NaN.
     """
+    if x.shape[dim] == 0:  # no keys at all: nothing to weigh
+        return torch.zeros_like(x)
     row_max = x.amax(dim=dim, keepdim=True)
     row_max = row_max.masked_fill(torch.isneginf(row_max), 0.0)  # all -inf row: keep exp(-inf)=0
     exps = torch.exp(x - row_max)

@@ -214,3 +214,10 @@ def test_bad_input_raises_value_error_naming_the_problem(case):
     with pytest.raises(ValueError) as error:
         call()
     assert message in str(error.value)
+
+
+def test_no_keys_at_all_gives_zeros():
+    q = randn(1, 2, 3, 4)
+    empty = torch.zeros(1, 2, 0, 4)
+    out = causal_attention(q, empty, empty, query_positions=torch.arange(3))
+    assert torch.equal(out, torch.zeros(1, 2, 3, 4))
