@@ -1,5 +1,6 @@
 # Two commands on a fresh machine: `make book` and `make test`. Each sets itself up.
 PYTHON ?= python3
+NPM ?= npm
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -8,7 +9,23 @@ SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 QUIET := 2>&1 | { grep -v "^WARNING: Location" || true; }
 
-.PHONY: setup book test lint lab clean
+# The page scripts, bundled into the site so that a page loads nothing from outside it.
+# html-manager 1.0.15 is the embed bundle of ipywidgets 8.1.9 (jupyterlab-manager 5.0.16):
+# both build on @jupyter-widgets/controls ^5.0.13 and base ^6.0.12.
+REQUIREJS_VERSION := 2.3.8
+HTML_MANAGER_VERSION := 1.0.15
+MATHJAX_VERSION := 3.2.2
+ASSETS := _assets
+ASSETS_STAMP := $(ASSETS)/.fetched-$(REQUIREJS_VERSION)-$(HTML_MANAGER_VERSION)-$(MATHJAX_VERSION)
+# The html-manager's icon fonts are requested relative to the page that shows a widget.
+WIDGET_FONTS := extra/notebooks/@jupyter-widgets/html-manager/dist
+
+# The book is rebuilt from scratch (--all: fresh environment, every notebook executed) when
+# anything it is made of changes; otherwise `make book` does nothing.
+BOOK_STAMP := _build/.book-built
+BOOK_INPUTS := _config.yml _toc.yml $(wildcard book/* notebooks/*.ipynb attnlib/*.py)
+
+.PHONY: setup assets book test lint lab clean
 
 setup: $(STAMP)
 
@@ -19,18 +36,48 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -c "import attnlib, torch; assert torch.__version__.startswith('2.13.0')"
 	touch $@
 
-book: $(STAMP)
-	$(VENV)/bin/jupyter-book build . -W --keep-going
+# Fetched from the npm registry with `npm pack` (no dependencies installed), never committed.
+assets: $(ASSETS_STAMP)
+
+$(ASSETS_STAMP):
+	rm -rf $(ASSETS).tmp && mkdir -p $(ASSETS).tmp/npm $(ASSETS).tmp/static/widgets \
+	  $(ASSETS).tmp/$(WIDGET_FONTS)
+	cd $(ASSETS).tmp/npm && $(NPM) pack --silent requirejs@$(REQUIREJS_VERSION) \
+	  @jupyter-widgets/html-manager@$(HTML_MANAGER_VERSION) mathjax@$(MATHJAX_VERSION) >/dev/null
+	cd $(ASSETS).tmp/npm && for t in *.tgz; do mkdir "$${t%.tgz}" && \
+	  tar -xzf "$$t" -C "$${t%.tgz}" --strip-components=1; done
+	cp $(ASSETS).tmp/npm/requirejs-*/require.js $(ASSETS).tmp/static/widgets/
+	cp $(ASSETS).tmp/npm/jupyter-widgets-html-manager-*/dist/embed-amd.js \
+	  $(ASSETS).tmp/static/widgets/
+	cp $(ASSETS).tmp/npm/jupyter-widgets-html-manager-*/dist/*.{woff2,woff,ttf,eot} \
+	  $(ASSETS).tmp/$(WIDGET_FONTS)/
+	cp -r $(ASSETS).tmp/npm/mathjax-*/es5 $(ASSETS).tmp/static/mathjax
+	cd $(ASSETS).tmp/static/mathjax && rm -f latest.js node-main.js mml-*.js tex-svg*.js \
+	  tex-chtml*.js tex-mml-svg.js
+	# A page without an icon link makes the browser fetch /favicon.ico, outside a Pages site.
+	printf '%s' '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16"><rect width="16"' \
+	  ' height="16" rx="3" fill="#1f4e79"/><text x="8" y="12.5" font-size="12" fill="#fff"' \
+	  ' text-anchor="middle" font-family="serif">A</text></svg>' > $(ASSETS).tmp/favicon.svg
+	rm -rf $(ASSETS).tmp/npm $(ASSETS) && mv $(ASSETS).tmp $(ASSETS)
+	touch $@
+
+book: $(BOOK_STAMP)
+
+$(BOOK_STAMP): $(STAMP) $(ASSETS_STAMP) $(BOOK_INPUTS)
+	rm -f $@
+	$(VENV)/bin/jupyter-book build --all . -W --keep-going
+	touch $@
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check attnlib tests
 	$(VENV)/bin/ruff format --check attnlib tests
 
-test: lint
+# The browser tests (tests/test_browser.py) check the built book, so the book comes first.
+test: lint book
 	$(PY) -m pytest
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks
 
 clean:
-	rm -rf _build
+	rm -rf _build $(ASSETS) $(ASSETS).tmp
