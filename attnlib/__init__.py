@@ -1,26 +1,31 @@
 """attnlib: scaled dot-product attention from first principles, the book's reference engine.
 
-Importing it is cheap: torch only. The Qwen3 lab (`attnlib.qwen3`), the plots
-(`attnlib.plots`) and the widgets (`attnlib.widgets`) import their heavy libraries
-only when you import them.
+Importing it is cheap: torch only. The lab (`attnlib.lab`: the Qwen3 check, the benchmark,
+memory and timing) and the figures (`attnlib.figures`) import their heavy libraries only when
+you import them.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from . import loops
-from .attention import (
-    attention_weights,
-    causal_attention,
-    left_padding,
-    merge_heads,
-    repeat_kv,
-    sliding_window,
-    split_heads,
-    visible,
+from .attention import attention_weights, causal_attention, repeat_kv
+from .cost import (
+    attention_flops,
+    growth_exponent,
+    longest_fitting_length,
+    score_matrix_bytes,
+    visible_pairs,
 )
-from .cost import attention_flops, longest_fitting_length, score_matrix_bytes, visible_pairs
 from .data import SIX_TOKENS, SIX_WORDS
-from .mha import KVCache, MultiHeadAttention
+from .heads import KVCache, MultiHeadAttention, merge_heads, split_heads
+from .masks import left_padding, sliding_window, visible
 from .softmax import softmax, softmax_jacobian
 from .tiled import tiled_attention
+
+try:
+    __version__ = version("attnlib")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "unknown"
 
 __all__ = [
     "KVCache",
@@ -30,6 +35,7 @@ __all__ = [
     "attention_flops",
     "attention_weights",
     "causal_attention",
+    "growth_exponent",
     "left_padding",
     "longest_fitting_length",
     "loops",
@@ -44,4 +50,3 @@ __all__ = [
     "visible",
     "visible_pairs",
 ]
-__version__ = "0.1.0"

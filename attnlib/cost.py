@@ -6,6 +6,7 @@ when S = T and Dv = D. The naive method also stores the [T, S] scores of every h
 """
 
 import math
+import statistics
 
 import torch
 
@@ -71,3 +72,13 @@ def longest_fitting_length(
         raise ValueError(f"copies must be positive, got {copies}")
     per_entry = copies * score_matrix_bytes(1, 1, dtype, heads, batch)  # bytes per T^2
     return math.isqrt(int(memory_bytes // per_entry))  # floor(sqrt(x)) = isqrt(floor(x))
+
+
+def growth_exponent(sizes, values):
+    """Least-squares slope k of log(value) against log(T), so value ~ T^k; None below 2 sizes."""
+    if len(set(sizes)) < 2 or min(values) <= 0:
+        return None
+    logs_t, logs_v = [math.log(s) for s in sizes], [math.log(v) for v in values]
+    mean_t, mean_v = statistics.fmean(logs_t), statistics.fmean(logs_v)
+    slope = sum((t - mean_t) * (v - mean_v) for t, v in zip(logs_t, logs_v))
+    return slope / sum((t - mean_t) ** 2 for t in logs_t)

@@ -6,6 +6,8 @@ Query head h reads KV head h // (Hq/Hkv); query i sees key j iff pos(k_j) <= pos
 
 import math
 
+from .attention import check_scale
+
 
 def softmax(scores):
     """Eq. 3.6 on a list, stable; an empty row stays empty."""
@@ -36,7 +38,7 @@ def causal_attention(
         query_positions = list(range(keys - queries, keys))
     if key_positions is None:
         key_positions = list(range(keys))
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    scale = check_scale(scale, dim)
     out = [[0.0] * (q_heads * value_dim) for _ in range(queries)]
     for i in range(queries):
         for h in range(q_heads):

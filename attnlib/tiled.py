@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from .attention import check_allowed, check_qkv, compute_dtype, resolve_positions, visible
+from .attention import compute_dtype, prepare
+from .masks import visible
 
 LOG2_E = 1.0 / math.log(2.0)
 
@@ -44,19 +45,14 @@ def tiled_attention(
     arguments of `causal_attention`. Tiles are block_size queries by block_size keys; tiles
     that no query can see are skipped.
     """
-    check_qkv(q, k, v)
+    query_pos, key_pos, allowed, scale = prepare(
+        q, k, v, query_positions, key_positions, allowed, scale
+    )
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an integer of at least 1, got {block_size!r}")
     batch, q_heads, queries, dim = q.shape
     kv_heads, keys, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads  # eq. 3.14: query head h = kv_head * group + r
-    query_pos, key_pos = resolve_positions(
-        query_positions, key_positions, batch, queries, keys, q.device
-    )
-    if allowed is not None:
-        allowed = check_allowed(allowed, (batch, q_heads, queries, keys)).to(q.device)
-        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))  # 4-D
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
     out_dtype, work = q.dtype, compute_dtype(q.dtype)
     # Query heads grouped under their KV head (eq. 3.14), so one matmul serves the whole group.
     q = q.reshape(batch, kv_heads, group, queries, dim)  # [B, Hkv, g, T, D]

@@ -2,14 +2,14 @@ import pytest
 import torch
 
 from attnlib import (
-    SIX_TOKENS,
     attention_weights,
     causal_attention,
     left_padding,
-    merge_heads,
+    loops,
     repeat_kv,
     sliding_window,
     split_heads,
+    tiled_attention,
 )
 
 from .references import bottom_right_mask, brute_force, sdpa
@@ -54,17 +54,6 @@ def test_default_is_the_causal_triangle_when_square():
     q, k, v = randn(1, 3, 7, 4, seed=4), randn(1, 3, 7, 4, seed=5), randn(1, 3, 7, 4, seed=6)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert torch.allclose(causal_attention(q, k, v), expected, atol=1e-6)
-
-
-def test_six_token_causal_table():
-    x = SIX_TOKENS[None, None]  # [1, 1, 6, 3]
-    weights = attention_weights(x, x, scale=1.0)[0, 0]
-    assert round(float(weights[5, 0]), 6) == 0.138471  # the seed printed 0.139
-    assert torch.equal(weights[0], torch.tensor([1.0, 0, 0, 0, 0, 0]))
-    assert torch.allclose(weights.sum(-1), torch.ones(6))
-    assert torch.equal(torch.triu(weights, diagonal=1), torch.zeros(6, 6))
-    unmasked = torch.softmax(SIX_TOKENS @ SIX_TOKENS.T, dim=-1)
-    assert torch.allclose(weights[5], unmasked[5])
 
 
 def test_changing_the_last_token_leaves_earlier_outputs_bit_identical():
@@ -134,19 +123,6 @@ def test_left_padding_rows_equal_their_unpadded_sequences():
     assert torch.equal(out[1, :, :2], torch.zeros(2, 2, 4))  # pad queries see nothing
 
 
-def test_transpose_trap():
-    batch, tokens, heads, head_dim = 2, 6, 2, 4  # head 1 of token 2: features 4..7
-    features = torch.arange(heads * head_dim)
-    x = (100 * torch.arange(tokens)[:, None] + features).float().expand(batch, tokens, -1)
-    heads_view = split_heads(x, heads)  # [B, H, T, Dh]
-    assert torch.equal(heads_view[0, 1, 2], x[0, 2, head_dim : 2 * head_dim])
-    assert torch.equal(merge_heads(heads_view), x)
-    wrong = x.reshape(batch, heads, tokens, head_dim)  # right shape, wrong data
-    assert wrong.shape == heads_view.shape
-    assert not torch.equal(wrong[0, 1, 2], x[0, 2, head_dim : 2 * head_dim])
-    assert not torch.equal(wrong, heads_view)
-
-
 BAD_CALLS = {
     "rank": (lambda: causal_attention(randn(2, 3, 4), randn(1, 2, 3, 4), randn(1, 2, 3, 4)), "4-D"),
     "head dim": (
@@ -188,7 +164,7 @@ BAD_CALLS = {
     "window": (lambda: sliding_window(torch.arange(3), torch.arange(3), 0), "at least 1"),
     "dtype": (
         lambda: causal_attention(randn(1, 1, 3, 4), randn(1, 1, 3, 4).half(), randn(1, 1, 3, 4)),
-        "must share a dtype",
+        "must share a floating-point dtype",
     ),
     "device": (
         lambda: causal_attention(
@@ -205,7 +181,27 @@ BAD_CALLS = {
         "same KV heads and keys",
     ),
     "split heads": (lambda: split_heads(randn(1, 3, 10), 4), "features (10) must be a multiple"),
+    "scale zero": (
+        lambda: causal_attention(*[randn(1, 1, 3, 4)] * 3, scale=0.0),
+        "finite positive",
+    ),
+    "scale string": (lambda: causal_attention(*[randn(1, 1, 3, 4)] * 3, scale="1"), "a number"),
 }
+
+ENTRY_POINTS = {
+    "causal_attention": lambda scale: causal_attention(*[randn(1, 1, 3, 4)] * 3, scale=scale),
+    "fused": lambda scale: causal_attention(*[randn(1, 1, 3, 4)] * 3, scale=scale, fused=True),
+    "attention_weights": lambda scale: attention_weights(*[randn(1, 1, 3, 4)] * 2, scale=scale),
+    "tiled_attention": lambda scale: tiled_attention(*[randn(1, 1, 3, 4)] * 3, scale=scale),
+    "loops": lambda scale: loops.causal_attention([[1.0]], [[1.0]], [[1.0]], 1, 1, scale=scale),
+}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS, ids=list(ENTRY_POINTS))
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0, 0.0])
+def test_every_entry_point_rejects_a_scale_that_is_not_finite_and_positive(entry, scale):
+    with pytest.raises(ValueError, match="scale must be a finite positive number"):
+        ENTRY_POINTS[entry](scale)
 
 
 @pytest.mark.parametrize("case", BAD_CALLS, ids=list(BAD_CALLS))

@@ -7,11 +7,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from attnlib import (
     attention_flops,
     causal_attention,
+    growth_exponent,
     longest_fitting_length,
     score_matrix_bytes,
     visible_pairs,
 )
-from attnlib.attention import resolve_positions, visible
+from attnlib.attention import prepare
+from attnlib.masks import visible
 
 
 def test_seed_numbers():
@@ -38,7 +40,8 @@ def test_flops_match_pytorchs_flop_counter(queries, keys, dim, value_dim, heads)
 @given(queries=st.integers(0, 30), extra=st.integers(0, 30))
 def test_visible_pairs_counts_the_mask(queries, extra):
     keys = queries + extra
-    query_pos, key_pos = resolve_positions(None, None, 1, queries, keys, "cpu")
+    q, k = torch.zeros(1, 1, queries, 1), torch.zeros(1, 1, keys, 1)
+    query_pos, key_pos, _, _ = prepare(q, k, k)  # the default positions of causal_attention
     assert visible_pairs(queries, keys) == int(visible(query_pos, key_pos).sum())
     causal = attention_flops(queries, keys, 4, causal=True)
     assert causal == 2 * visible_pairs(queries, keys) * (4 + 4)
@@ -72,3 +75,10 @@ def test_bad_arguments_raise_value_error():
         score_matrix_bytes(4, 4, heads=-1)
     with pytest.raises(ValueError, match="copies"):
         longest_fitting_length(100, copies=0)
+
+
+def test_growth_exponent_recovers_a_power_law():
+    sizes = [512, 1024, 2048, 4096]
+    assert growth_exponent(sizes, [3.0 * s**2 for s in sizes]) == pytest.approx(2.0)
+    assert growth_exponent(sizes, [7.0 * s for s in sizes]) == pytest.approx(1.0)
+    assert growth_exponent([512], [1.0]) is None

@@ -1,13 +1,21 @@
 import subprocess
 import sys
 
+import attnlib
+
 
 def test_import_is_light():
-    """`import attnlib` pulls in torch only: no transformers, matplotlib or ipywidgets."""
+    """`import attnlib` adds no transformers, matplotlib, ipywidgets or tqdm to what torch loads."""
     code = (
-        "import sys, attnlib; "
-        "heavy = [m for m in ('transformers', 'matplotlib', 'ipywidgets') if m in sys.modules]; "
-        "print(heavy); sys.exit(bool(heavy))"
+        "import sys, torch; before = set(sys.modules); import attnlib; "
+        "heavy = {'transformers', 'matplotlib', 'ipywidgets', 'tqdm', 'sympy'}; "
+        "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in heavy))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_version_comes_from_the_installed_metadata():
+    from importlib.metadata import version
+
+    assert attnlib.__version__ == version("attnlib") != "unknown"

@@ -53,6 +53,11 @@ def test_equals_float64_brute_force_and_sdpa(case):
     mask = bottom_right_mask(query_positions, key_positions, allowed)
     fused = sdpa(q.float(), k.float(), v.float(), mask, scale)
     assert torch.allclose(out.float(), fused, atol=max(tolerance, 1e-5), rtol=tolerance)
+    # The fused switch: the same call through PyTorch's kernel, in float32 like the reference.
+    switched = causal_attention(
+        q.float(), k.float(), v.float(), query_positions, key_positions, allowed, scale, fused=True
+    )
+    assert torch.allclose(switched, out.float(), atol=max(tolerance, 1e-5), rtol=tolerance)
 
 
 @settings(max_examples=30, deadline=None)

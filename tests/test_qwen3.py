@@ -15,7 +15,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention  # noqa: E402
 
-from attnlib import qwen3  # noqa: E402
+from attnlib.lab import checkpoint, hf_compat, qwen3  # noqa: E402
+from attnlib.lab.cli import check_qwen3  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT_FIELDS = {
@@ -74,7 +75,7 @@ def test_layer_is_qwen3_0_6b_attention_with_random_norms(layer):
         1024, 16, 8,
     )  # fmt: skip
     assert layer.head_dim == 128 and config.rms_norm_eps == 1e-6
-    assert qwen3.rope_theta(config) == 1e6
+    assert hf_compat.rope_theta(config) == 1e6
     assert config._attn_implementation == "sdpa"
     assert layer.q_proj.weight.dtype == torch.float32
     for norm in (layer.q_norm, layer.k_norm):
@@ -94,7 +95,7 @@ def test_keywords_follow_the_installed_transformers():
         if transformers.__version__ >= "5"
         else {"past_key_value", "past_key_values", "torch_dtype", "dtype"}
     )
-    assert {qwen3.cache_keyword(), qwen3.dtype_keyword()} <= expected
+    assert {hf_compat.cache_keyword(), hf_compat.dtype_keyword()} <= expected
 
 
 def test_manual_pass_steps_match_the_layer_internals(layer, inputs):
@@ -168,7 +169,7 @@ def test_tolerance_rule():
 def test_from_pretrained_takes_layer_n_offline(tiny_model, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model, path = tiny_model
-    loaded = qwen3.load_layer(str(path), layer=1)
+    loaded = checkpoint.load_layer(str(path), layer=1)
     assert isinstance(loaded, Qwen3Attention) and loaded.layer_idx == 1
     original = model.model.layers[1].self_attn.state_dict()
     for name, tensor in loaded.state_dict().items():
@@ -177,35 +178,37 @@ def test_from_pretrained_takes_layer_n_offline(tiny_model, monkeypatch):
     assert result["output_scale"] > 0.5
     assert result["match"] and result["max_abs_diff"] < 1e-5
     assert result["geometry"]["hidden_size"] == 64
-    half = qwen3.load_layer(str(path), layer=0, dtype=torch.bfloat16)  # the dtype keyword works
+    half = checkpoint.load_layer(
+        str(path), layer=0, dtype=torch.bfloat16
+    )  # the dtype keyword works
     assert half.q_proj.weight.dtype == torch.bfloat16
 
 
 def test_load_errors_are_one_line_value_errors(tiny_model, tmp_path):
     _, path = tiny_model
     with pytest.raises(ValueError, match="model folder not found"):
-        qwen3.load_layer(str(tmp_path / "missing"))
+        checkpoint.load_layer(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="out of range"):
-        qwen3.load_layer(str(path), layer=2)
+        checkpoint.load_layer(str(path), layer=2)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no config.json"):
-        qwen3.load_layer(str(tmp_path / "empty"))
+        checkpoint.load_layer(str(tmp_path / "empty"))
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot read a model config"):
-        qwen3.load_layer(str(broken))
+        checkpoint.load_layer(str(broken))
     no_weights = tmp_path / "no_weights"
     no_weights.mkdir()
     (no_weights / "config.json").write_text((path / "config.json").read_text())
     with pytest.raises(ValueError, match="cannot load Qwen3 weights"):
-        qwen3.load_layer(str(no_weights))
+        checkpoint.load_layer(str(no_weights))
     other = tmp_path / "other"
     other.mkdir()
     config = json.loads((path / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     with pytest.raises(ValueError, match="not 'qwen3'"):
-        qwen3.load_layer(str(other))
+        checkpoint.load_layer(str(other))
 
 
 def test_run_default_random_weights(tmp_path, capsys):
@@ -213,7 +216,7 @@ def test_run_default_random_weights(tmp_path, capsys):
     args = Namespace(
         model=None, layer=0, seq_len=12, dtype="float32", device="cpu", seed=0, out=str(out)
     )
-    assert qwen3.run(args) == 0
+    assert check_qwen3(args) == 0
     result = json.loads(out.read_text())
     assert REPORT_FIELDS <= set(result)
     assert result["weights"] == "random" and result["model"] == "Qwen/Qwen3-0.6B"
@@ -228,7 +231,7 @@ def test_run_malformed_folder_gives_one_stderr_line(tmp_path, capsys):
         model=str(tmp_path), layer=0, seq_len=12, dtype="float32", device="cpu", seed=0,
         out=str(tmp_path / "x.json"),
     )  # fmt: skip
-    assert qwen3.run(args) == 2
+    assert check_qwen3(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
     assert not (tmp_path / "x.json").exists()

@@ -101,7 +101,7 @@ def test_matches_hugging_face_qwen3_rope():
         apply_rotary_pos_emb,
     )
 
-    from attnlib.qwen3 import qwen3_config
+    from attnlib.lab.qwen3 import qwen3_config
 
     config = qwen3_config()  # head_dim 128, rope_theta 1e6
     assert isinstance(config, Qwen3Config)

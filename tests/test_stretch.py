@@ -12,6 +12,7 @@ from attnlib import (
     sliding_window,
     split_heads,
 )
+from attnlib.lab.checks import assert_heads_in_place, labelled, wrong_split
 from tests.references import bottom_right_mask, brute_force, sdpa
 
 # The six-token causal table (scale 1) as the early draft of chapter 5 printed it.
@@ -23,30 +24,6 @@ DRAFT_TABLE = [
     [0.175, 0.225, 0.227, 0.157, 0.216, 0.000],
     [0.139, 0.218, 0.213, 0.142, 0.099, 0.190],
 ]
-
-
-def labelled(tokens, heads, head_dim):
-    """[1, T, H*Dh] whose entry (t, f) is 100 t + f, so every misplaced feature shows."""
-    t = torch.arange(tokens)[:, None]  # [T, 1]
-    f = torch.arange(heads * head_dim)[None, :]  # [1, H*Dh]
-    return (100 * t + f).float()[None]  # [1, T, H*Dh]
-
-
-def assert_heads_in_place(split, x, heads):
-    """Head h of token t must hold features h*Dh .. (h+1)*Dh - 1 of token t, for every h, t."""
-    parts = split(x, heads)  # [B, H, T, Dh]
-    head_dim = x.shape[-1] // heads
-    assert parts.shape == (x.shape[0], heads, x.shape[1], head_dim)
-    for h in range(heads):
-        for t in range(x.shape[1]):
-            expected = x[:, t, h * head_dim : (h + 1) * head_dim]  # [B, Dh]
-            assert torch.equal(parts[:, h, t], expected), f"head {h}, token {t}"
-
-
-def wrong_split(x, heads):
-    """The bug: reshape [B, T, H*Dh] straight to [B, H, T, Dh], with no transpose."""
-    batch, tokens, features = x.shape
-    return x.reshape(batch, heads, tokens, features // heads)
 
 
 SHAPES = [(4, 2, 4), (5, 3, 4), (7, 4, 2), (3, 8, 1)]  # (T, H, Dh); (5, 3, 4) is a trap
@@ -87,6 +64,9 @@ def test_six_token_causal_table():
     expected[5, 0] = 0.138  # the draft's erratum: 0.138471 rounds to 0.138, not 0.139
     assert torch.equal((table[0, 0] * 1000).round() / 1000, expected)
     assert abs(table[0, 0, 5, 0].item() - 0.138471) < 5e-7
+    assert torch.equal(torch.triu(table[0, 0], diagonal=1), torch.zeros(6, 6, dtype=table.dtype))
+    unmasked = torch.softmax(SIX_TOKENS.double() @ SIX_TOKENS.double().T, dim=-1)
+    assert torch.allclose(table[0, 0, 5], unmasked[5])  # the last query sees every key anyway
 
 
 @pytest.mark.parametrize("window", [1, 2, 3, 5, 12])
@@ -106,19 +86,6 @@ def test_sliding_window_matches_brute_force(window):
     seen = (attention_weights(q, k, query_positions, key_positions, allowed) > 0).sum(-1)
     expected_seen = (query_positions + 1).clamp(max=window)[:, None, :]  # [B, 1, T]
     assert torch.equal(seen, expected_seen.expand_as(seen))  # min(pos + 1, w) keys each
-
-
-def test_query_head_11_of_16_reads_kv_head_5_of_8():
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 16, 4, 8, generator=g)  # [B, Hq, T, D]
-    k = torch.randn(1, 8, 4, 8, generator=g)  # [B, Hkv, S, D]
-    v = torch.randn(1, 8, 4, 8, generator=g)
-    base = causal_attention(q, k, v)  # [1, 16, 4, 8]
-    k[:, 5] += 1.0
-    v[:, 5] += 1.0
-    out = causal_attention(q, k, v)
-    moved = [h for h in range(16) if not torch.equal(out[:, h], base[:, h])]
-    assert moved == [10, 11] and 11 // (16 // 8) == 5
 
 
 def test_output_0_of_a_causal_layer_depends_only_on_token_0():

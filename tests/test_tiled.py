@@ -2,11 +2,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.overrides import TorchFunctionMode
 
 from attnlib import causal_attention, left_padding, sliding_window, tiled_attention
 from attnlib.cost import score_matrix_bytes
-from attnlib.memory import peak_allocated_bytes
+from attnlib.lab.checks import CountMatmuls
+from attnlib.lab.memory import peak_allocated_bytes
 
 from .references import bottom_right_mask, brute_force, sdpa
 
@@ -17,19 +17,6 @@ def _qkv(batch, q_heads, kv_heads, queries, keys, dim, value_dim, dtype=torch.fl
     k = torch.randn(batch, kv_heads, keys, dim, generator=gen)
     v = torch.randn(batch, kv_heads, keys, value_dim, generator=gen)
     return q.to(dtype), k.to(dtype), v.to(dtype)
-
-
-class CountMatmuls(TorchFunctionMode):
-    """Counts the matmuls (the `@` of a score tile or of an output tile) run inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 4, 16, 512])

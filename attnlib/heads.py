@@ -1,11 +1,35 @@
-"""Multi-head attention with fused projections, GQA and a KV cache (eqs. 3.1, 3.11, 3.12)."""
+"""Heads: splitting features into heads, multi-head attention with GQA and a KV cache.
+
+Eqs. 3.1, 3.11 and 3.12; x is [B, T, H*Dh] before the split and [B, H, T, Dh] after it.
+"""
 
 from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
-from .attention import causal_attention, merge_heads, split_heads
+from .attention import causal_attention
+
+
+def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[B, T, H*Dh] -> [B, H, T, Dh]: split the features into heads, then move heads forward.
+
+    The transpose is not optional: x.reshape(B, H, T, Dh) has the same shape and the wrong data.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"split_heads needs x of shape [B, T, H*Dh], got {list(x.shape)}")
+    batch, tokens, features = x.shape
+    if n_heads < 1 or features % n_heads:
+        raise ValueError(f"features ({features}) must be a multiple of heads ({n_heads})")
+    return x.view(batch, tokens, n_heads, features // n_heads).transpose(1, 2)  # [B, H, T, Dh]
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, Dh] -> [B, T, H*Dh], the inverse of split_heads (the concatenation of eq. 3.12)."""
+    if x.dim() != 4:
+        raise ValueError(f"merge_heads needs x of shape [B, H, T, Dh], got {list(x.shape)}")
+    batch, heads, tokens, head_dim = x.shape
+    return x.transpose(1, 2).reshape(batch, tokens, heads * head_dim)  # [B, T, H*Dh]
 
 
 class KVCache:

@@ -1,6 +1,6 @@
 """Peak memory of one call, measured two independent ways: PyTorch's allocator and the OS.
 
-`peak_allocated_bytes` replays every allocation and free that PyTorch's CPU allocator reports
+How: `peak_allocated_bytes` replays every allocation and free that PyTorch's CPU allocator reports
 to the profiler (profile_memory=True) and returns the highest running total: the bytes the
 call held at its worst moment beyond what existed before it, its output included.
 `peak_rss_bytes` asks Linux instead: it resets the process's resident high-water mark (VmHWM)
@@ -29,10 +29,22 @@ def _quiet_stderr():
         os.close(saved)
 
 
+def _allocation_event_type():
+    """The profiler's event tag for allocations: a private torch API, so check that it exists."""
+    try:
+        from torch._C._profiler import _EventType
+
+        return _EventType.Allocation
+    except (ImportError, AttributeError) as error:
+        raise RuntimeError(
+            "peak_allocated_bytes needs torch's private profiler API (torch._C._profiler."
+            f"_EventType.Allocation, present in torch 2.5 to 2.13), which this torch lacks: {error}"
+        ) from None
+
+
 def peak_allocated_bytes(fn: Callable[[], object]) -> int:
     """Peak bytes held by PyTorch's CPU allocator during fn(), above the level when it started."""
-    from torch._C._profiler import _EventType
-
+    allocation = _allocation_event_type()
     # The engine under torch.profiler.profile, which on first use also imports torch._inductor.
     from torch.autograd.profiler import profile
 
@@ -48,7 +60,7 @@ def peak_allocated_bytes(fn: Callable[[], object]) -> int:
     stack = list(prof.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
-        if node.tag == _EventType.Allocation:
+        if node.tag == allocation:
             sizes.append((node.start_time_ns, node.extra_fields.alloc_size))  # bytes, - = free
         stack.extend(node.children)
     held = peak = 0

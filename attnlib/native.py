@@ -1,0 +1,108 @@
+"""The loops of attnlib.loops compiled from attnlib/csrc: C++ and Rust, called through ctypes.
+
+Each library is built once into $ATTNLIB_CACHE (default ~/.cache/attnlib/native), named by a hash
+of its source and the compiler's --version, so later calls and later processes only load it.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from .attention import check_scale
+
+SOURCES = {"cpp": "attention.cpp", "rust": "attention.rs"}
+COMMANDS = {"cpp": "g++ -O2 -shared -fPIC", "rust": "rustc -O --crate-type cdylib"}
+INTEGERS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _compiler(language):
+    if language not in SOURCES:
+        raise ValueError(f"language must be 'cpp' or 'rust', got {language!r}")
+    rustup = Path.home() / ".cargo" / "bin" / "rustc"  # often not on PATH
+    found = shutil.which(COMMANDS[language].split()[0])
+    return found or (str(rustup) if language == "rust" and rustup.is_file() else None)
+
+
+def compiler_missing(language="cpp"):
+    """None if `language` ('cpp' or 'rust') compiles here, else one line saying what to install."""
+    name = None if _compiler(language) else COMMANDS[language].split()[0]
+    return name and f"{name} not found: install it (e.g. `apt-get install {name}`) and rerun"
+
+
+@functools.lru_cache(maxsize=None)
+def build(language="cpp"):
+    """Compile attnlib/csrc/attention.{cpp,rs} into the cache unless it is there; load it."""
+    compiler, source = _compiler(language), Path(__file__).parent / "csrc" / SOURCES[language]
+    if compiler is None:
+        raise RuntimeError(compiler_missing(language))
+    version = subprocess.run([compiler, "--version"], capture_output=True, check=True).stdout
+    key = hashlib.sha256(source.read_bytes() + version).hexdigest()[:16]
+    cache = Path(os.environ.get("ATTNLIB_CACHE", "~/.cache/attnlib/native")).expanduser()
+    library = cache / f"attention-{language}-{key}.so"
+    if not library.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = cache / f"{library.name}.{os.getpid()}.tmp"
+        command = [compiler, *COMMANDS[language].split()[1:], str(source), "-o", str(partial)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
+        os.replace(partial, library)  # atomic: no process ever loads half a library
+    kernel = ctypes.CDLL(str(library)).attention
+    p, n = ctypes.c_void_p, ctypes.c_int64  # pointer, int64
+    kernel.argtypes, kernel.restype = [p, p, p, n, n, p, p, ctypes.c_float, n, n, n, n, p], None
+    return kernel
+
+
+def _rows(name, x, heads, layout):
+    """x [N, heads*width] as contiguous float32 on the CPU, and its width per head."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a 2-D tensor {layout}, got {got}")
+    if type(heads) is not int or heads < 1 or x.shape[1] < heads or x.shape[1] % heads:
+        raise ValueError(f"{name}'s heads ({heads!r}) must be a whole number dividing its "
+                         f"{x.shape[1]} features")  # fmt: skip
+    return x.detach().to("cpu", torch.float32).contiguous(), x.shape[1] // heads
+
+
+def _positions(name, positions, length, start):
+    """Positions as contiguous int64 [length]; the default is start .. start+length-1."""
+    default = positions is None
+    positions = torch.arange(start, start + length) if default else torch.as_tensor(positions)
+    if positions.dtype not in INTEGERS or tuple(positions.shape) != (length,):
+        got = f"{positions.dtype} of shape {list(positions.shape)}"
+        raise ValueError(f"{name} must be {length} integers [{length}], got {got}")
+    return positions.to("cpu", torch.int64).contiguous()
+
+
+def native_attention(
+    q, k, v, q_heads, kv_heads, query_positions=None, key_positions=None, scale=None, language="cpp"
+):
+    """Eqs. 3.2, 3.6, 3.13 and 3.14 as compiled loops over one sequence (see attnlib.loops).
+
+    q [T, Hq*D], k [S, Hkv*D], v [S, Hkv*Dv] -> float32 [T, Hq*Dv]; language 'cpp' or 'rust'.
+    """
+    q, dim = _rows("q", q, q_heads, "[T, Hq*D]")
+    k, key_dim = _rows("k", k, kv_heads, "[S, Hkv*D]")
+    if q_heads % kv_heads:
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
+    v, value_dim = _rows("v", v, kv_heads, "[S, Hkv*Dv]")
+    queries, keys, scale = q.shape[0], k.shape[0], check_scale(scale, dim)
+    if v.shape[0] != keys:
+        raise ValueError(f"k has {keys} rows (keys) but v has {v.shape[0]}")
+    if key_dim != dim:
+        raise ValueError(f"head size of q ({dim}) must equal that of k ({key_dim})")
+    query_positions = _positions("query_positions", query_positions, queries, keys - queries)
+    key_positions = _positions("key_positions", key_positions, keys, 0)
+    kernel = build(language)
+    out = torch.zeros(queries, q_heads * value_dim, dtype=torch.float32)  # [T, Hq*Dv]
+    if queries and keys:  # with no rows there is nothing to point at
+        pointers = [x.data_ptr() for x in (q, k, v, query_positions, key_positions, out)]
+        kernel(*pointers[:3], q_heads, kv_heads, *pointers[3:5], scale, queries, keys, dim,
+               value_dim, pointers[5])  # fmt: skip
+    return out
