@@ -23,9 +23,14 @@ WIDGET_FONTS := extra/notebooks/@jupyter-widgets/html-manager/dist
 # The book is rebuilt from scratch (--all: fresh environment, every notebook executed) when
 # anything it is made of changes; otherwise `make book` does nothing.
 BOOK_STAMP := _build/.book-built
-BOOK_INPUTS := _config.yml _toc.yml $(wildcard book/* notebooks/*.ipynb attnlib/*.py)
+BOOK_INPUTS := _config.yml _toc.yml $(wildcard book/* notebooks/*.ipynb attnlib/*.py \
+  attnlib/*/*.py attnlib/csrc/*)
 
-.PHONY: setup assets book test lint lab clean
+# A second environment with Colab-like versions (constraints-colab.txt), for `make test-colab`.
+COLAB_VENV := .venv-colab
+COLAB_STAMP := $(COLAB_VENV)/.installed
+
+.PHONY: setup assets book test test-colab lint lab clean
 
 setup: $(STAMP)
 
@@ -76,8 +81,25 @@ lint: $(STAMP)
 test: lint book
 	$(PY) -m pytest
 
+$(COLAB_STAMP): constraints-colab.txt pyproject.toml
+	test -x $(COLAB_VENV)/bin/python || $(PYTHON) -m venv $(COLAB_VENV)
+	$(COLAB_VENV)/bin/python -m pip install -q -c constraints-colab.txt -e ".[book]" \
+	  nbclient ipykernel $(QUIET)
+	touch $@
+
+# Every notebook top to bottom under Colab's versions; outputs are not compared (nbval does that
+# under the pinned versions). The kernel finds `python` on PATH, so the venv's bin comes first.
+test-colab: $(COLAB_STAMP)
+	$(COLAB_VENV)/bin/python -c "import ipywidgets, transformers; \
+	  print('ipywidgets', ipywidgets.__version__, 'transformers', transformers.__version__)"
+	for notebook in notebooks/*.ipynb; do \
+	  echo "$$notebook"; \
+	  PATH="$(CURDIR)/$(COLAB_VENV)/bin:$$PATH" $(COLAB_VENV)/bin/jupyter-execute \
+	    --timeout=300 "$$notebook" 2>&1 | { grep -v "^\[NbClientApp\]" || true; }; \
+	done
+
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks
 
 clean:
-	rm -rf _build $(ASSETS) $(ASSETS).tmp
+	rm -rf _build $(ASSETS) $(ASSETS).tmp $(COLAB_VENV)
