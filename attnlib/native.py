@@ -90,7 +90,9 @@ def native_attention(
     q, dim = _rows("q", q, q_heads, "[T, Hq*D]")
     k, key_dim = _rows("k", k, kv_heads, "[S, Hkv*D]")
     if q_heads % kv_heads:
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
+        raise ValueError(
+            "query heads (%d) must be a multiple of KV heads (%d)" % (q_heads, kv_heads)
+        )
     v, value_dim = _rows("v", v, kv_heads, "[S, Hkv*Dv]")
     queries, keys, scale = q.shape[0], k.shape[0], check_scale(scale, dim)
     if v.shape[0] != keys:

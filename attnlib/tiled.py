@@ -1,105 +1,144 @@
-"""Tiled attention with an online softmax, FlashAttention-style (eqs. 3.15, 3.16).
+"""Tiled attention with an online softmax, FlashAttention-style (eqs. 3.15-3.16), and its backward.
 
-The same function as `causal_attention`, computed one [query block x key block] tile at a
-time, so the [T, S] score matrix never exists: besides the output, the extra memory is one tile
-of scores per head, [H, block, block], instead of [H, T, S].
+The same function as `causal_attention`, one [query block x key block] tile at a time, so the
+[T, S] score matrix never exists, not even for training: the backward (eqs. 3.18-3.22)
+recomputes each tile's weights from the per-row log-sum-exp L that the forward saves.
 """
 
 import math
-from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from .attention import compute_dtype, prepare
+from .attention import Prepared, compute_dtype, prepare
 from .masks import visible
 
-LOG2_E = 1.0 / math.log(2.0)
+LOG2_E = 1.0 / math.log(2.0)  # e^x = 2^(x log2 e), and exp2 costs less than exp on a CPU
 
 
 def _block_bounds(positions: torch.Tensor, block: int):
     """Per block of `block` columns of positions [B, N]: (min, max) over the block, each [B, n]."""
-    starts = range(0, positions.shape[1], block)
-    lows = torch.stack([positions[:, s : s + block].amin(1) for s in starts], 1)  # [B, n]
-    highs = torch.stack([positions[:, s : s + block].amax(1) for s in starts], 1)  # [B, n]
-    return lows, highs
+    blocks = [positions[:, s : s + block] for s in range(0, positions.shape[1], block)]
+    return torch.stack([b.amin(1) for b in blocks], 1), torch.stack([b.amax(1) for b in blocks], 1)
 
 
-def _slice(mask: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
-    """mask[..., start:stop, ...] along dim, unless that axis is broadcast (size 1)."""
-    return mask if mask.shape[dim] == 1 else mask.narrow(dim, start, stop - start)
-
-
-def tiled_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    query_positions=None,
-    key_positions=None,
-    allowed: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
-    block_size: int = 256,
-) -> torch.Tensor:
-    """`causal_attention` (eq. 3.2 with 3.13, 3.14) by online softmax over key blocks (3.15-3.16).
-
-    q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> [B, Hq, T, Dv] in q's dtype, with the
-    arguments of `causal_attention`. Tiles are block_size queries by block_size keys; tiles
-    that no query can see are skipped.
-    """
-    query_pos, key_pos, allowed, scale = prepare(
-        q, k, v, query_positions, key_positions, allowed, scale
-    )
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an integer of at least 1, got {block_size!r}")
-    batch, q_heads, queries, dim = q.shape
-    kv_heads, keys, value_dim = k.shape[1], k.shape[2], v.shape[3]
-    group = q_heads // kv_heads  # eq. 3.14: query head h = kv_head * group + r
-    out_dtype, work = q.dtype, compute_dtype(q.dtype)
-    # Query heads grouped under their KV head (eq. 3.14), so one matmul serves the whole group.
-    q = q.reshape(batch, kv_heads, group, queries, dim)  # [B, Hkv, g, T, D]
-    k, v = k.to(work), v.to(work)  # [B, Hkv, S, D], [B, Hkv, S, Dv]
-    out = torch.zeros(batch, kv_heads, group, queries, value_dim, dtype=work, device=q.device)
-    if queries == 0 or keys == 0:  # nothing to attend: every row is a row that sees no key
-        return out.view(batch, q_heads, queries, value_dim).to(out_dtype)
-
-    # Tiles the positions rule (3.13) hides entirely are skipped; tiles it shows need no mask.
-    q_low, q_high = _block_bounds(query_pos, block_size)  # [B, nq]
-    k_low, k_high = _block_bounds(key_pos, block_size)  # [B, nk]
+def _tiles(prepared: Prepared, block: int):
+    """Per query block: (i0, i1, its key tiles (j0, j1, mask)), leaving out the tiles that eq. 3.13
+    and `allowed` hide; mask: None if all is visible, else boolean [B or 1, Hq or 1, t, s]."""
+    query_pos, key_pos, allowed, _ = prepared
+    queries, keys = query_pos.shape[1], key_pos.shape[1]
+    if queries == 0 or keys == 0:
+        return
+    if allowed is not None:  # a view with stride 0 on broadcast axes, so any slice of it works
+        allowed = allowed.expand(*allowed.shape[:2], queries, keys)  # [B or 1, Hq or 1, T, S]
+    q_low, q_high = _block_bounds(query_pos, block)  # [B, nq]
+    k_low, k_high = _block_bounds(key_pos, block)  # [B, nk]
     hidden = (k_low[:, None, :] > q_high[:, :, None]).all(0).tolist()  # [nq][nk]
     shown = (k_high[:, None, :] <= q_low[:, :, None]).all(0).tolist()  # [nq][nk]
 
-    for qi, i0 in enumerate(range(0, queries, block_size)):
-        i1 = min(i0 + block_size, queries)
-        rows = group * (i1 - i0)  # the tile's query rows, all heads of a group stacked
-        # Scores in base 2: e^s = 2^(s * log2 e), and exp2 is several times cheaper than exp.
-        q_tile = (q[:, :, :, i0:i1].to(work) * (scale * LOG2_E)).reshape(batch, kv_heads, rows, dim)
-        best = q_tile.new_full((batch, kv_heads, rows, 1), float("-inf"))  # running max m
-        total = q_tile.new_zeros(batch, kv_heads, rows, 1)  # running sum l
-        acc = q_tile.new_zeros(batch, kv_heads, rows, value_dim)  # accumulator o
-        allowed_rows = None if allowed is None else _slice(allowed, -2, i0, i1)
-        for kj, j0 in enumerate(range(0, keys, block_size)):
-            if hidden[qi][kj]:
-                continue
-            j1 = min(j0 + block_size, keys)
+    def key_tiles(qi, i0, i1):
+        for kj in [kj for kj, hides in enumerate(hidden[qi]) if not hides]:
+            j0, j1 = kj * block, min(kj * block + block, keys)
             mask = None if shown[qi][kj] else visible(query_pos[:, i0:i1], key_pos[:, j0:j1])
-            if allowed_rows is not None:
-                extra = _slice(allowed_rows, -1, j0, j1)  # broadcasts to [B, Hq, t, s]
-                if not bool(extra.any()):
-                    continue
-                if not bool(extra.all()):
-                    mask = extra if mask is None else mask & extra
-            scores = q_tile @ k[:, :, j0:j1].transpose(-2, -1)  # [B, Hkv, g*t, s], eq. 3.5
-            if mask is not None:  # [B or 1, Hq or 1, t or 1, s or 1], heads split like scores
-                b, h, t, s = mask.shape
-                mask = mask.reshape(b, *((1, 1) if h == 1 else (kv_heads, group)), t, s)
-                scores.view(batch, kv_heads, group, i1 - i0, j1 - j0).masked_fill_(~mask, -math.inf)
-            new_best = torch.maximum(best, scores.amax(-1, keepdim=True))  # eq. 3.15: m'
+            extra = None if allowed is None else allowed[..., i0:i1, j0:j1]  # [B|1, Hq|1, t, s]
+            if extra is not None and not bool(extra.all()):
+                mask = extra if mask is None else mask & extra
+            if mask is None or bool(mask.any()):
+                yield j0, j1, mask
+
+    for qi, i0 in enumerate(range(0, queries, block)):
+        i1 = min(i0 + block, queries)
+        yield i0, i1, key_tiles(qi, i0, i1)
+
+
+def _scores(q_tile: torch.Tensor, k_tile: torch.Tensor, mask) -> torch.Tensor:
+    """One tile of scores (eq. 3.5), [B, Hkv, g*t, s], -inf where the mask hides the key (3.10)."""
+    scores = q_tile @ k_tile.transpose(-2, -1)  # [B, Hkv, g*t, s]
+    if mask is not None:  # mask [B|1, Hq|1, t, s]: split its heads as Hkv x g, like the scores
+        heads = (-1, scores.shape[2] // mask.shape[2] if mask.shape[1] > 1 else 1)
+        grouped = scores.view(*scores.shape[:2], -1, *mask.shape[2:])  # [B, Hkv, g, t, s]
+        grouped.masked_fill_(~mask.unflatten(1, heads), -math.inf)
+    return scores
+
+
+def _forward(q, k, v, prepared: Prepared, block: int, with_lse: bool):
+    """Eqs. 3.15-3.16 by tiles: O [B, Hq, T, Dv] in q's dtype and, if asked, L [B, Hq, T] (3.22)."""
+    group, work = q.shape[1] // k.shape[1], compute_dtype(q.dtype)  # eq. 3.14: h = kv*g + r
+    q, k, v = q.unflatten(1, (-1, group)), k.to(work), v.to(work)  # [B, Hkv, g, T, D]
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=work)  # [B, Hkv, g, T, Dv]
+    lse = q.new_full(q.shape[:-1], math.inf, dtype=work) if with_lse else None  # [B, Hkv, g, T]
+    for i0, i1, tiles in _tiles(prepared, block):
+        # Scores in base 2: e^s = 2^(s log2 e), with log2 e folded into the queries.
+        q_tile = (q[:, :, :, i0:i1].to(work) * (prepared.scale * LOG2_E)).flatten(2, 3)
+        m = q_tile.new_full((*q_tile.shape[:3], 1), -math.inf)  # running max m, [B, Hkv, g*t, 1]
+        ell = q_tile.new_zeros(*q_tile.shape[:3], 1)  # running sum l
+        o = q_tile.new_zeros(*q_tile.shape[:3], v.shape[-1])  # accumulator o, [B, Hkv, g*t, Dv]
+        for j0, j1, mask in tiles:
+            scores = _scores(q_tile, k[:, :, j0:j1], mask)  # [B, Hkv, g*t, s]
+            new_m = torch.maximum(m, scores.amax(-1, keepdim=True))  # eq. 3.15: m'
             # A row that has seen no key yet keeps m' = -inf; shift it by 0 so exp gives 0, not NaN.
-            shift = new_best.masked_fill(torch.isneginf(new_best), 0.0)
-            rescale = torch.exp2(best - shift)  # e^{m - m'} (the scores carry the log2 e)
+            shift = new_m.masked_fill(torch.isneginf(new_m), 0.0)
+            rescale = torch.exp2(m - shift)  # e^{m - m'}
             weights = scores.sub_(shift).exp2_()  # e^{s_j - m'}
-            total.mul_(rescale).add_(weights.sum(-1, keepdim=True))  # eq. 3.15: l'
-            acc.mul_(rescale).add_(weights @ v[:, :, j0:j1])  # eq. 3.16: o'
-            best = new_best
-        acc /= total.masked_fill(total == 0, 1.0)  # o / l; a row that saw nothing stays 0
-        out[:, :, :, i0:i1] = acc.view(batch, kv_heads, group, i1 - i0, value_dim)
-    return out.view(batch, q_heads, queries, value_dim).to(out_dtype)  # [B, Hq, T, Dv]
+            ell.mul_(rescale).add_(weights.sum(-1, keepdim=True))  # eq. 3.15: l'
+            o.mul_(rescale).add_(weights @ v[:, :, j0:j1])  # eq. 3.16: o'
+            m = new_m
+        o /= ell.masked_fill(ell == 0, 1.0)  # o / l; a row that saw nothing stays 0
+        out[:, :, :, i0:i1] = o.unflatten(2, (group, -1))
+        if with_lse:  # L = m + log l (back from base 2); +inf for a row that sees no key
+            found = torch.where(ell > 0, (m + ell.log2()) / LOG2_E, math.inf)  # [B, Hkv, g*t, 1]
+            lse[:, :, :, i0:i1] = found.squeeze(-1).unflatten(2, (group, -1))
+    return out.flatten(1, 2).to(q.dtype), None if lse is None else lse.flatten(1, 2)
+
+
+def _backward(grad, q, k, v, out, lse, prepared: Prepared, block: int):
+    """Eqs. 3.18-3.21 by tiles: dQ, dK, dV from dO [B, Hq, T, Dv]; each tile's P from L (3.22)."""
+    group, work, scale = q.shape[1] // k.shape[1], compute_dtype(q.dtype), prepared.scale
+    delta = (grad.to(work) * out.to(work)).sum(-1)  # D = rowsum(dO o O), eq. 3.19, [B, Hq, T]
+    per_query = (q.to(work) * (scale * LOG2_E), grad.to(work), lse * LOG2_E, delta)  # base 2
+    q2, grad, lse, delta = (x.unflatten(1, (-1, group)) for x in per_query)  # [B, Hkv, g, T, .]
+    k, v = k.to(work), v.to(work)  # [B, Hkv, S, D], [B, Hkv, S, Dv]
+    dq, dk, dv = torch.zeros_like(q2), torch.zeros_like(k), torch.zeros_like(v)
+    for i0, i1, tiles in _tiles(prepared, block):
+        q_tile, do = (x[:, :, :, i0:i1].flatten(2, 3) for x in (q2, grad))  # [B, Hkv, g*t, D|Dv]
+        row_lse, row_delta = (x[:, :, :, i0:i1].flatten(2, 3)[..., None] for x in (lse, delta))
+        for j0, j1, mask in tiles:
+            p = _scores(q_tile, k[:, :, j0:j1], mask).sub_(row_lse).exp2_()  # eq. 3.22: P
+            dv[:, :, j0:j1] += p.transpose(-2, -1) @ do  # eq. 3.18: dV = P^T dO, summed over g
+            ds = (do @ v[:, :, j0:j1].transpose(-2, -1)).sub_(row_delta).mul_(p)  # eq. 3.20
+            dq[:, :, :, i0:i1] += (ds @ k[:, :, j0:j1]).unflatten(2, (group, -1))  # eq. 3.21
+            dk[:, :, j0:j1] += ds.transpose(-2, -1) @ q_tile  # eq. 3.21, q_tile holds the scale
+    dq, dk = dq.mul_(scale).flatten(1, 2), dk.div_(LOG2_E)  # [B, Hq, T, D], [B, Hkv, S, D]
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+
+
+class _TiledAttention(torch.autograd.Function):
+    """Tiled attention for autograd: it saves q, k, v, O and L [B, Hq, T], nothing T x S."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, prepared: Prepared, block: int):
+        out, lse = _forward(q, k, v, prepared, block, with_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.prepared, ctx.block = prepared, block
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return *_backward(grad, *ctx.saved_tensors, ctx.prepared, ctx.block), None, None
+
+
+def tiled_attention(
+    q, k, v, query_positions=None, key_positions=None, allowed=None, scale=None, block_size=256
+) -> torch.Tensor:
+    """`causal_attention` (eq. 3.2 with 3.13, 3.14) by online softmax over key blocks (3.15-3.16).
+
+    q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> [B, Hq, T, Dv] in q's dtype, with
+    `causal_attention`'s arguments; block_size x block_size tiles; differentiable (3.18-3.22).
+    """
+    prepared = prepare(q, k, v, query_positions, key_positions, allowed, scale)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an integer of at least 1, got {block_size!r}")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _TiledAttention.apply(q, k, v, prepared, block_size)
+    return _forward(q, k, v, prepared, block_size, with_lse=False)[0]  # no graph to record

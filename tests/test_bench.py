@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from attnlib import causal_attention, tiled_attention
+from attnlib.lab import bench
 from attnlib.lab.memory import peak_allocated_bytes, peak_rss_bytes
 
 
@@ -38,13 +39,29 @@ def test_quick_bench_writes_its_report(tmp_path):
     report = json.loads(out.read_text())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = {(r["method"], r["T"]): r for r in report["results"]}
-    assert set(rows) == {
-        (m, t) for m in ("naive", "tiled", "sdpa_mask", "sdpa_causal") for t in (32, 64)
-    }
+    forward = ("naive", "tiled", "sdpa_mask", "sdpa_causal")
+    training = ("naive_train", "tiled_train", "sdpa_train")
+    assert set(rows) == {(m, t) for m in forward + training for t in (32, 64)}
     for row in rows.values():
-        assert row["max_abs_err_vs_sdpa"] < 1e-5  # every method computes the same attention
+        assert row["max_abs_err_vs_sdpa"] < 1e-5  # the same attention, the same dQ, dK, dV
     naive = report["exponents"]["naive"]["memory"]
     assert 1.5 < naive < 2.2  # scores dominate even at T = 32..64 (a T^2 term plus small T terms)
+    assert "forward + backward" in result.stdout
+    assert rows[("naive_train", 64)]["peak_vs_naive"] == 1
+    assert 1.5 < report["exponents"]["naive_train"]["memory"] < 2.2  # autograd keeps [T, S]
+
+
+def test_naive_training_step_beyond_naive_max_gets_memory_but_no_time():
+    settings = {"heads": 2, "dim": 8, "repeats": 1, "block_size": 16, "seed": 0, "naive_max": 16}
+    rows = bench.training_rows(16, settings) + bench.training_rows(32, settings)
+    exponents = bench.summarise(rows, settings, {"gflops": 1.0})
+    by = {(r["method"], r["T"]): r for r in rows}
+    assert by[("naive_train", 32)]["median_s"] is None
+    assert by[("naive_train", 32)]["peak_bytes_one_head"] > 0  # measured with one head
+    assert by[("tiled_train", 32)]["peak_vs_naive"] > 0
+    assert exponents["naive_train"]["time"] is None  # one timed size: no fit
+    lines = [line for line in bench.table(rows, exponents).splitlines() if "autograd" in line]
+    assert lines[1].split()[-4] == "-" and lines[1].split()[-1] == "-"  # T = 32: not timed
 
 
 def test_bad_bench_options_are_one_line_and_exit_2():
