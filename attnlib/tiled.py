@@ -70,16 +70,16 @@ def _forward(q, k, v, prepared: Prepared, block: int, with_lse: bool):
     for i0, i1, tiles in _tiles(prepared, block):
         # Scores in base 2: e^s = 2^(s log2 e), with log2 e folded into the queries.
         q_tile = (q[:, :, :, i0:i1].to(work) * (prepared.scale * LOG2_E)).flatten(2, 3)
-        m = q_tile.new_full((*q_tile.shape[:3], 1), -math.inf)  # running max m, [B, Hkv, g*t, 1]
+        # Running max m, [B, Hkv, g*t, 1], from the lowest finite float rather than -inf, so that
+        # a row that has seen no key yet gets e^{m - m'} = 1 and e^{-inf - m'} = 0, never NaN.
+        m = q_tile.new_full((*q_tile.shape[:3], 1), torch.finfo(work).min)
         ell = q_tile.new_zeros(*q_tile.shape[:3], 1)  # running sum l
         o = q_tile.new_zeros(*q_tile.shape[:3], v.shape[-1])  # accumulator o, [B, Hkv, g*t, Dv]
         for j0, j1, mask in tiles:
             scores = _scores(q_tile, k[:, :, j0:j1], mask)  # [B, Hkv, g*t, s]
             new_m = torch.maximum(m, scores.amax(-1, keepdim=True))  # eq. 3.15: m'
-            # A row that has seen no key yet keeps m' = -inf; shift it by 0 so exp gives 0, not NaN.
-            shift = new_m.masked_fill(torch.isneginf(new_m), 0.0)
-            rescale = torch.exp2(m - shift)  # e^{m - m'}
-            weights = scores.sub_(shift).exp2_()  # e^{s_j - m'}
+            rescale = torch.exp2(m - new_m)  # e^{m - m'}
+            weights = scores.sub_(new_m).exp2_()  # e^{s_j - m'}
             ell.mul_(rescale).add_(weights.sum(-1, keepdim=True))  # eq. 3.15: l'
             o.mul_(rescale).add_(weights @ v[:, :, j0:j1])  # eq. 3.16: o'
             m = new_m

@@ -136,3 +136,28 @@ def test_every_ignored_output_says_why(path):
             following = lines[i + 1].strip() if i + 1 < len(lines) else ""
             has_reason = re.match(r"#\s*\S.{8,}", following)
             assert has_reason, f"cell {number}: say why on the line after {IGNORE}"
+
+
+def _equation_numbers(text: str) -> set:
+    """Every 3.N cited as `eq. 3.N`, `eqs. 3.N-3.M` (both ends), `(3.N)` or `\\tag{3.N}`."""
+    found = set(re.findall(r"\\tag\{(3\.\d+)\}|\((3\.\d+)\)", text))
+    found = {a or b for a, b in found}
+    for first, last in re.findall(r"eqs?\.\s*\(?(3\.\d+)\)?(?:\s*[-–]\s*\(?(3\.\d+))?", text):
+        found |= {first, last} - {""}
+    return found
+
+
+def test_every_equation_is_stated_once_in_a_chapter_and_listed_in_the_notation_page():
+    """Chapters number their displays with \\tag{3.N}; notation.md lists exactly those numbers;
+    and every number the package or a chapter cites is one of them."""
+    markdown = "".join(
+        source(c) for p in NOTEBOOKS for c in cells(p) if c["cell_type"] == "markdown"
+    )
+    tagged = set(re.findall(r"\\tag\{(3\.\d+)\}", markdown))
+    numbers = sorted(tagged, key=lambda n: int(n.split(".")[1]))
+    assert numbers == [f"3.{n}" for n in range(1, len(numbers) + 1)], numbers  # no gap
+    notation = (ROOT / "book" / "notation.md").read_text()
+    assert set(re.findall(r"^\| (3\.\d+) \|", notation, re.MULTILINE)) == tagged
+    package = "".join(p.read_text() for p in (ROOT / "attnlib").rglob("*.py"))
+    assert _equation_numbers(package) <= tagged, _equation_numbers(package) - tagged
+    assert _equation_numbers(markdown) <= tagged, _equation_numbers(markdown) - tagged
