@@ -13,10 +13,13 @@ example sentences, "Your journey starts with one step" and "The animal didn't cr
 because it was too tired", are cut out of both, and no run may cross a cut, a paragraph or a
 block. What remains may not share a run of RUN (12) consecutive words with any seed.
 
-Where the seeds are absent (a reader's clone without `../shared/seeds`), the test is skipped.
+Where the seeds are absent (a reader's clone without `../shared/seeds`), the test is skipped;
+ATTNLIB_SEEDS names another folder of seeds, for a clone that lives elsewhere.
 """
 
+import os
 import re
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -33,7 +36,7 @@ from tests.markdown_prose import (
 )
 
 RUN = 12
-SEEDS = ROOT.parent / "shared" / "seeds"
+SEEDS = Path(os.environ.get("ATTNLIB_SEEDS", ROOT.parent / "shared" / "seeds"))
 EXAMPLES = [
     "your journey starts with one step",
     "the animal didnt cross the street because it was too tired",
