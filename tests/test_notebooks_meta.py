@@ -147,7 +147,7 @@ def _equation_numbers(text: str) -> set:
     return found
 
 
-def test_every_equation_is_stated_once_in_a_chapter_and_listed_in_the_notation_page():
+def test_equation_numbers_agree_across_chapters_notation_page_and_package():
     """Chapters number their displays with \\tag{3.N}; notation.md lists exactly those numbers;
     and every number the package or a chapter cites is one of them."""
     markdown = "".join(
