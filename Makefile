@@ -74,8 +74,8 @@ $(BOOK_STAMP): $(STAMP) $(ASSETS_STAMP) $(BOOK_INPUTS)
 	touch $@
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check attnlib tests
-	$(VENV)/bin/ruff format --check attnlib tests
+	$(VENV)/bin/ruff check attnlib tests notebooks
+	$(VENV)/bin/ruff format --check attnlib tests notebooks
 
 # The browser tests (tests/test_browser.py) check the built book, so the book comes first.
 test: lint book

@@ -35,7 +35,13 @@ ARGS = [
     "--no-first-run",
     "--disable-quic",
 ]
-SLIDER_PAGES = {"notebooks/03_scaling": 1, "notebooks/05_causal_masking": 1}  # sliders needed
+SLIDER_PAGES = {  # pages and the sliders each must show
+    "notebooks/03_scaling": 1,
+    "notebooks/05_causal_masking": 1,
+    "notebooks/09_rotary_positions": 1,
+    "notebooks/12_cost": 1,
+    "notebooks/14_induction_heads": 1,
+}
 TOGGLE_PAGES = {"notebooks/05_causal_masking": 1}  # toggle-button groups needed
 RAW_TEX = re.compile(r"\$\$|\\\(|\\\)|\\\[|\\\]|\\begin\{|\\frac\{|\\sqrt\{")
 UNTYPESET = "span.math:not(:has(mjx-container)), div.math:not(:has(mjx-container))"

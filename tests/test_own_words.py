@@ -35,7 +35,7 @@ from tests.markdown_prose import (
     prose_blocks,
 )
 
-RUN = 12
+RUN = 8
 SEEDS = Path(os.environ.get("ATTNLIB_SEEDS", ROOT.parent / "shared" / "seeds"))
 EXAMPLES = [
     "your journey starts with one step",

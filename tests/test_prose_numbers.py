@@ -212,7 +212,7 @@ def test_outputs_nbval_ignores_do_not_count():
 
 def test_exemptions():
     prose = (
-        "As chapter 11 shows (chapters 3 and 4, section 2.1, §20.2-20.3, pp. 50-91), eq. (3.2) "
+        "As chapter 12 shows (chapters 3 and 4, section 2.1, §20.2-20.3, pp. 50-91), eq. (3.2) "
         "and eqs. (3.11)-(3.12), equation 1.8 and (3.17) hold. torch 2.5, Python 3.11, version "
         "2.13.0, transformers 4.x and >= 4.51 are versions; Vaswani et al., 2017. "
         "Math $d = \\sqrt{97}$, code `T = 99`, [a link](https://example.org/page-77), "
