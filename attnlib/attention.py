@@ -1,5 +1,7 @@
 """Scaled dot-product attention under the positions rule (eqs. 3.2, 3.5, 3.10, 3.13, 3.14).
 
+causal=False drops the rule: every query sees every key (bidirectional, as in an encoder).
+
 Shapes are written [B, H, T, D]: batch, heads, tokens (T queries, S keys), features.
 `prepare` is the preamble every attention function shares: checks, positions, mask, scale.
 """
@@ -79,9 +81,12 @@ class Prepared(NamedTuple):
     key_positions: torch.Tensor  # [B, S]
     allowed: Optional[torch.Tensor]  # [B or 1, Hq or 1, T or 1, S or 1], or None
     scale: float
+    causal: bool  # False: no positions rule, every query sees every key
 
 
-def prepare(q, k, v, query_positions=None, key_positions=None, allowed=None, scale=None):
+def prepare(
+    q, k, v, query_positions=None, key_positions=None, allowed=None, scale=None, causal=True
+):
     """Check q [B, Hq, T, D], k [B, Hkv, S, D], v and the options; fill in the defaults.
 
     By default the keys sit at 0..S-1 and the queries are the last T of them, S-T..S-1.
@@ -89,6 +94,10 @@ def prepare(q, k, v, query_positions=None, key_positions=None, allowed=None, sca
     check_qkv(q, k, v)
     batch, q_heads, queries, dim = q.shape
     keys = k.shape[2]
+    if not causal and (query_positions is not None or key_positions is not None):
+        raise ValueError("positions only matter under the causal rule: drop them or causal=True")
+    if not causal:  # positions are unused; any T and S go together
+        query_positions = torch.zeros(queries, dtype=torch.long)
     if query_positions is None and queries > keys:
         raise ValueError(
             f"more queries ({queries}) than keys ({keys}): the default query positions "
@@ -100,11 +109,16 @@ def prepare(q, k, v, query_positions=None, key_positions=None, allowed=None, sca
     key_positions = _positions(key_positions, batch, keys, 0, "key_positions", q.device)
     if allowed is not None:
         allowed = check_allowed(allowed, (batch, q_heads, queries, keys)).to(q.device)
-    return Prepared(query_positions, key_positions, allowed, check_scale(scale, dim))
+    return Prepared(query_positions, key_positions, allowed, check_scale(scale, dim), causal)
 
 
-def mask_of(prepared: Prepared) -> torch.Tensor:
-    """The full boolean mask of eqs. 3.10/3.13: positions rule AND `allowed`, [B, 1 or Hq, T, S]."""
+def mask_of(prepared: Prepared) -> Optional[torch.Tensor]:
+    """The boolean mask of eqs. 3.10/3.13: positions rule AND `allowed`, [B, 1 or Hq, T, S].
+
+    Without the causal rule it is `allowed` alone, None when every query sees every key.
+    """
+    if not prepared.causal:
+        return prepared.allowed
     mask = visible(prepared.query_positions, prepared.key_positions)  # [B, 1, T, S]
     return mask if prepared.allowed is None else mask & prepared.allowed
 
@@ -128,17 +142,22 @@ def _weights(q: torch.Tensor, k: torch.Tensor, prepared: Prepared) -> torch.Tens
     work = compute_dtype(q.dtype)
     k = repeat_kv(k, q.shape[1] // k.shape[1])  # [B, Hq, S, D]
     scores = (q.to(work) @ k.to(work).transpose(-2, -1)) * prepared.scale  # [B, Hq, T, S], 3.5
-    scores = scores.masked_fill(~mask_of(prepared), float("-inf"))  # eq. 3.10: before softmax
+    mask = mask_of(prepared)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))  # eq. 3.10: before the softmax
     return softmax(scores, dim=-1)  # eq. 3.6
 
 
-def attention_weights(q, k, query_positions=None, key_positions=None, allowed=None, scale=None):
+def attention_weights(
+    q, k, query_positions=None, key_positions=None, allowed=None, scale=None, causal=True
+):
     """The attention matrix A of eq. 3.2 under the mask of eqs. 3.10/3.13, in float32 (or 64).
 
     q [B, Hq, T, D], k [B, Hkv, S, D] -> A [B, Hq, T, S]; each row sums to 1, or is all zeros
-    when the query sees no key.
+    when the query sees no key. causal=False: no positions rule (bidirectional).
     """
-    return _weights(q, k, prepare(q, k, k, query_positions, key_positions, allowed, scale))
+    prepared = prepare(q, k, k, query_positions, key_positions, allowed, scale, causal)
+    return _weights(q, k, prepared)
 
 
 def causal_attention(
@@ -150,6 +169,7 @@ def causal_attention(
     allowed: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     fused: bool = False,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Scaled dot-product attention, eq. 3.2, with the positions rule (3.13) and GQA (3.14).
 
@@ -157,9 +177,10 @@ def causal_attention(
     Positions are [T]/[S] or [B, T]/[B, S]; by default the queries are the last T of S keys.
     `allowed`: an optional boolean mask broadcastable to [B, Hq, T, S] (True = may attend).
     The default scale is 1/sqrt(D). A query that sees no key outputs zeros.
+    causal=False drops the positions rule: every query sees every key (bidirectional).
     fused=True runs the same mask through PyTorch's fused kernel instead of the lines below.
     """
-    prepared = prepare(q, k, v, query_positions, key_positions, allowed, scale)
+    prepared = prepare(q, k, v, query_positions, key_positions, allowed, scale, causal)
     if fused:  # PyTorch's kernel, given the same bottom-right mask (never is_causal: top-left)
         gqa = q.shape[1] != k.shape[1]
         mask = mask_of(prepared)

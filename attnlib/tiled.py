@@ -25,7 +25,7 @@ def _block_bounds(positions: torch.Tensor, block: int):
 def _tiles(prepared: Prepared, block: int):
     """Per query block: (i0, i1, its key tiles (j0, j1, mask)), leaving out the tiles that eq. 3.13
     and `allowed` hide; mask: None if all is visible, else boolean [B or 1, Hq or 1, t, s]."""
-    query_pos, key_pos, allowed, _ = prepared
+    query_pos, key_pos, allowed = prepared[:3]
     queries, keys = query_pos.shape[1], key_pos.shape[1]
     if queries == 0 or keys == 0:
         return

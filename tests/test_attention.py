@@ -123,6 +123,38 @@ def test_left_padding_rows_equal_their_unpadded_sequences():
     assert torch.equal(out[1, :, :2], torch.zeros(2, 2, 4))  # pad queries see nothing
 
 
+@pytest.mark.parametrize(
+    "queries,keys", [(6, 6), (1, 58), (9, 4)], ids=["square", "one-query", "more-queries"]
+)
+@pytest.mark.parametrize("fused", [False, True], ids=["explicit", "fused"])
+def test_unmasked_mode_equals_sdpa_with_no_mask(queries, keys, fused):
+    q, k, v = randn(2, 4, queries, 16, seed=8), randn(2, 2, keys, 16, seed=9), randn(2, 2, keys, 8)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    out = causal_attention(q, k, v, causal=False, fused=fused)
+    assert torch.allclose(out, expected, atol=1e-6)
+    everyone = torch.ones(2, 1, queries, keys, dtype=torch.bool)
+    expected64 = brute_force(q, k, v, torch.ones(2, queries).long() * keys, arange_rows(2, 0, keys))
+    assert torch.allclose(out.double(), expected64, atol=1e-6)
+    weights = attention_weights(q, k, causal=False)  # [B, Hq, T, S]: nothing hidden
+    assert torch.all(weights > 0) and torch.allclose(weights.sum(-1), torch.ones(2, 4, queries))
+    assert torch.allclose(causal_attention(q, k, v, causal=False, allowed=everyone), out, atol=1e-6)
+
+
+def test_unmasked_mode_keeps_allowed_and_its_gradients_match_autograd_of_float64():
+    q, k, v = (randn(1, 2, 5, 8, seed=s, dtype=torch.float64).requires_grad_() for s in (1, 2, 3))
+    allowed = randn(1, 1, 5, 5, seed=4) > -0.5  # an arbitrary key mask, no causal triangle
+    allowed[..., 0] = True
+    out = causal_attention(q, k, v, allowed=allowed, causal=False)
+    expected = brute_force(q, k, v, torch.full((1, 5), 5), arange_rows(1, 0, 5), allowed)
+    assert torch.allclose(out, expected, atol=1e-12)
+    assert not torch.allclose(out, causal_attention(q, k, v, allowed=allowed), atol=1e-3)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    mask = allowed.expand(1, 2, 5, 5)
+    sdpa_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    for got, want in zip(grads, torch.autograd.grad(sdpa_out.square().sum(), (q, k, v))):
+        assert torch.allclose(got, want, atol=1e-10)
+
+
 BAD_CALLS = {
     "rank": (lambda: causal_attention(randn(2, 3, 4), randn(1, 2, 3, 4), randn(1, 2, 3, 4)), "4-D"),
     "head dim": (
@@ -186,6 +218,10 @@ BAD_CALLS = {
         "finite positive",
     ),
     "scale string": (lambda: causal_attention(*[randn(1, 1, 3, 4)] * 3, scale="1"), "a number"),
+    "positions without the rule": (
+        lambda: causal_attention(*[randn(1, 1, 3, 4)] * 3, causal=False, key_positions=[0, 1, 2]),
+        "positions only matter under the causal rule",
+    ),
 }
 
 ENTRY_POINTS = {
