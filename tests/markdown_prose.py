@@ -100,25 +100,31 @@ def _directive(info: str):
     return (match.group(1), match.group(2)) if match else None
 
 
-def prose_blocks(markdown: str, code_text: bool = False) -> list:
+def prose_blocks(markdown: str, code_text: bool = False, quotes: bool = True) -> list:
     """The prose of a Markdown text, one string per block (see the module's docstring).
 
-    With code_text, inline code spans keep their text (they are words of a sentence).
+    With code_text, inline code spans keep their text (they are words of a sentence). With
+    quotes=False, blockquotes (`> ...`) are left out.
     """
-    blocks = []
+    blocks, quoted = [], 0
     for token in _parser.parse(markdown):
-        if token.type == "inline":
+        if token.type in ("blockquote_open", "blockquote_close"):
+            quoted += 1 if token.type == "blockquote_open" else -1
+            blocks.append(CODE)
+        elif quoted and not quotes:
+            continue
+        elif token.type == "inline":
             blocks.append(_inline_text(token, code_text))
         elif token.type in ("fence", "colon_fence"):
             directive = _directive(token.info)
             if directive and directive[0] not in LITERAL_DIRECTIVES:
                 name, argument = directive
                 if argument:
-                    blocks.extend(prose_blocks(argument, code_text))
+                    blocks.extend(prose_blocks(argument, code_text, quotes))
                 body = token.content.splitlines()
                 while body and OPTION.match(body[0].strip()):
                     body.pop(0)  # directive options such as ":class: note"
-                blocks.extend(prose_blocks("\n".join(body), code_text))
+                blocks.extend(prose_blocks("\n".join(body), code_text, quotes))
             else:
                 blocks.append(CODE)
     return blocks

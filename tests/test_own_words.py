@@ -1,17 +1,20 @@
-"""The book says things in its own words: no run of 12 words is shared with the seed drafts.
+"""The book says things in its own words: no run of 8 words is shared with the source chapters.
 
-The seeds are the two early drafts the book grew from, kept beside the repository in
-`../shared/seeds/*.txt`. Facts, figures and the two example sentences may carry over; sentences
-may not. Every Markdown cell of every notebook and every `book/*.md` page is compared with them.
+The source chapters the book grew from are kept beside the repository in `../shared/seeds/*.txt`.
+Facts, figures and the two example sentences may carry over; sentences may not. Every Markdown
+cell of every notebook and every `book/*.md` page is compared with them.
 
-How the text is compared. Math (`$...$`, `$$...$$`, `\\begin{...}`), code blocks, link targets,
-URLs and raw HTML are dropped from the Markdown (tests/markdown_prose.py), and math from the
-seeds; inline code keeps its words. Both are lower-cased, apostrophes are dropped ("didn't" is
-one word), every other character that is not a letter, a digit or `_` separates words, and
-words made only of digits are dropped. The two
-example sentences, "Your journey starts with one step" and "The animal didn't cross the street
-because it was too tired", are cut out of both, and no run may cross a cut, a paragraph or a
-block. What remains may not share a run of RUN (12) consecutive words with any seed.
+How the text is compared. Math (`$...$`, `$$...$$`, `\\begin{...}`), code (inline and blocks),
+link targets, URLs and raw HTML are dropped from the Markdown (tests/markdown_prose.py), and math
+from the seeds. Exempt too, as quotations or names rather than the book's sentences: blockquotes
+(`> ...`), text in quote marks (“...” or "..."), dotted API names written out
+(torch.nn.functional.scaled_dot_product_attention) and, in book/references.md, the italic titles
+of the works cited. Both texts are lower-cased, apostrophes are dropped ("didn't" is one word),
+every other character that is not a letter, a digit or `_` separates words, and words made only
+of digits are dropped. The two example sentences, "Your journey starts with one step" and "The
+animal didn't cross the street because it was too tired", are cut out of both, and no run may
+cross a cut, a paragraph or a block. What remains may not share a run of RUN (8) consecutive
+words with any seed.
 
 Where the seeds are absent (a reader's clone without `../shared/seeds`), the test is skipped;
 ATTNLIB_SEEDS names another folder of seeds, for a clone that lives elsewhere.
@@ -42,6 +45,9 @@ EXAMPLES = [
     "the animal didnt cross the street because it was too tired",
 ]
 BREAK = "|"
+QUOTED = re.compile(r"“[^”]*”|\"[^\"\n]*\"")  # an inline quotation, in curly or straight marks
+API_NAME = re.compile(r"\b\w+(?:\.\w+)+\b")  # torch.nn.functional.scaled_dot_product_attention
+TITLE = re.compile(r"(?<![*\w])\*(?=\S)[^*]+?\*(?![*\w])", re.S)  # *Attention Is All You Need.*
 
 
 def normalise(text: str) -> str:
@@ -85,11 +91,22 @@ def seed_runs(texts) -> set:
     return found
 
 
-def shared_passages(markdown: str, seeds: set) -> list:
-    """The longest runs of words that a Markdown text shares with the seeds."""
+def own_text(block: str) -> str:
+    """A block of prose less its quotations and API names, each left as a BREAK."""
+    block = block.replace("\u201c", "“").replace("\u201d", "”")
+    return API_NAME.sub(f" {BREAK} ", QUOTED.sub(f" {BREAK} ", block))
+
+
+def shared_passages(markdown: str, seeds: set, titles: bool = False) -> list:
+    """The longest runs of words that a Markdown text shares with the seeds.
+
+    With titles, italic spans are the titles of cited works and are left out (references.md).
+    """
+    if titles:
+        markdown = TITLE.sub(" `title` ", markdown)
     passages = []
-    for block in prose_blocks(markdown, code_text=True):
-        for segment in segments(words(block)):
+    for block in prose_blocks(markdown, quotes=False):
+        for segment in segments(words(own_text(block))):
             start = end = None  # the current passage is segment[start:end]
             for i in range(len(segment) - RUN + 1):
                 if tuple(segment[i : i + RUN]) not in seeds:
@@ -131,7 +148,7 @@ def test_notebook_is_in_its_own_words(path, seeds):
 
 @pytest.mark.parametrize("path", book_pages(), ids=lambda path: path.name)
 def test_book_page_is_in_its_own_words(path, seeds):
-    found = shared_passages(path.read_text(encoding="utf-8"), seeds)
+    found = shared_passages(path.read_text(encoding="utf-8"), seeds, path.name == "references.md")
     report = "\n".join(f"  '{p}'" for p in found)
     assert not found, f"{path.name} shares runs of {RUN}+ words with the seeds:\n{report}"
 
@@ -172,9 +189,42 @@ def test_the_two_example_sentences_and_short_runs_are_allowed():
     own = (
         'Take the six tokens of "Your journey starts with one step", each a 3-dimensional '
         'vector, and "The animal didn\'t cross the street because it was too tired" too. '
-        "A token may be found for one reason and contribute something else entirely."
+        "A token may be found for one reason, and give something else entirely."
     )
     assert shared_passages(own, seeds) == []
+
+
+def test_a_shared_run_of_eight_words_is_caught_and_one_of_seven_is_not():
+    seeds = seed_runs([PLANTED_SEED])
+    eight = "Here a token can be found for one reason and then it adds a different thing."
+    assert shared_passages(eight, seeds) == ["a token can be found for one reason and"]
+    seven = "Here one token can be found for one reason, then adds a different thing."
+    assert shared_passages(seven, seeds) == []
+
+
+COPIED = "a token can be found for one reason and contribute something else"
+
+
+def test_marked_quotations_inline_code_and_api_names_are_exempt():
+    seeds = seed_runs([PLANTED_SEED + " use torch.nn.functional.scaled_dot_product_attention"])
+    assert shared_passages(f"The source says:\n\n> {COPIED.capitalize()}.\n", seeds) == []
+    assert shared_passages(f"The source says “{COPIED}”, and so do we.", seeds) == []
+    assert shared_passages(f'The source says "{COPIED}", and so do we.', seeds) == []
+    assert shared_passages(f"Its comment reads `{COPIED}`.", seeds) == []
+    api = "Separating keys from values is the important design choice"
+    assert shared_passages(f"{api}, so torch.nn.functional.scaled_dot_product_attention", seeds)
+    assert not shared_passages(
+        "We use torch.nn.functional.scaled_dot_product_attention for it", seeds
+    )
+    # The same words outside the marks are still caught.
+    assert shared_passages(f"As we say, {COPIED}.", seeds) == [COPIED]
+
+
+def test_titles_are_exempt_only_in_the_references():
+    seeds = seed_runs(["The book is called Separating keys from values is the important design."])
+    entry = "- A. Author (2020). *Separating Keys from Values is the Important Design.* A journal."
+    assert shared_passages(entry, seeds, titles=True) == []
+    assert shared_passages(entry, seeds) == ["separating keys from values is the important design"]
 
 
 def test_the_seeds_hold_the_two_example_sentences():
