@@ -161,3 +161,75 @@ def test_equation_numbers_agree_across_chapters_notation_page_and_package():
     package = "".join(p.read_text() for p in (ROOT / "attnlib").rglob("*.py"))
     assert _equation_numbers(package) <= tagged, _equation_numbers(package) - tagged
     assert _equation_numbers(markdown) <= tagged, _equation_numbers(markdown) - tagged
+
+
+DISPLAY = re.compile(r"\$\$(.+?)\$\$|\\begin\{(\w+\*?)\}(.+?)\\end\{\2\}", re.S)
+TAG = re.compile(r"\\tag\{(3\.\d+)\}")
+
+
+def display_lines(body: str) -> list:
+    """The equations of one display: split at `\\\\` outside any inner environment (cases)."""
+    lines, depth, start = [], 0, 0
+    for match in re.finditer(r"\\begin\{|\\end\{|\\\\(?![a-zA-Z])", body):
+        token = match.group(0)
+        depth += 1 if token == "\\begin{" else -1 if token == "\\end{" else 0
+        if token == "\\\\" and depth == 0:
+            lines.append(body[start : match.start()])
+            start = match.end()
+    return lines + [body[start:]]
+
+
+def tagged_formulas(markdown: str) -> list:
+    """(number, formula) for every \\tag{3.N} in display math; the formula is the display's line
+    that holds the tag, without spacing, alignment and end punctuation."""
+    found = []
+    for match in DISPLAY.finditer(markdown):
+        for line in display_lines(match.group(1) or match.group(3)):
+            for number in TAG.findall(line):
+                formula = TAG.sub("", line)
+                formula = re.sub(r"\\label\{[^}]*\}|\\(?:quad|qquad|,|;|!)|&|\s", "", formula)
+                found.append((number, formula.rstrip(".,;")))
+    return found
+
+
+def reused_tags(markdown: str) -> dict:
+    """Each 3.N that tags two different formulas, with the formulas."""
+    formulas = {}
+    for number, formula in tagged_formulas(markdown):
+        formulas.setdefault(number, set()).add(formula)
+    return {n: sorted(f) for n, f in formulas.items() if len(f) > 1}
+
+
+def test_an_equation_number_names_one_formula_everywhere():
+    """A chapter may restate an equation under its number, but never tag another formula
+    with it (cite it as eq. (3.N) instead)."""
+    found = {}
+    for path in NOTEBOOKS:
+        for cell in cells(path):
+            if cell["cell_type"] == "markdown":
+                for number, formula in tagged_formulas(source(cell)):
+                    found.setdefault(number, {}).setdefault(formula, []).append(path.stem)
+    reused = {n: f for n, f in found.items() if len(f) > 1}
+    report = "\n".join(
+        f"  ({n}) in {chapters}: {formula}"
+        for n, formulas in sorted(reused.items())
+        for formula, chapters in formulas.items()
+    )
+    assert not reused, (
+        "one equation number tags several formulas; restate it exactly, or cite it as "
+        f"eq. (3.N) without a tag:\n{report}"
+    )
+
+
+def test_the_equation_check_catches_a_number_reused_for_another_formula():
+    home = "$$\nA = \\operatorname{softmax}(S) \\tag{3.6}\n$$"
+    restated = "$$ A = \\operatorname{softmax}( S ) \\tag{3.6} $$."
+    other = "\\begin{align}\nB &= C \\tag{3.7} \\\\\n"
+    other += "A &= \\operatorname{softmax}(S + M) \\tag{3.6}\n\\end{align}"
+    assert tagged_formulas(home) == [("3.6", "A=\\operatorname{softmax}(S)")]
+    cases = "$$ m = \\begin{cases} 0 & a \\\\ 1 & b \\end{cases} \\tag{3.9} $$"
+    assert tagged_formulas(cases) == [("3.9", "m=\\begin{cases}0a\\\\1b\\end{cases}")]
+    assert reused_tags(home + restated) == {}
+    assert reused_tags(home + other) == {
+        "3.6": ["A=\\operatorname{softmax}(S)", "A=\\operatorname{softmax}(S+M)"]
+    }
