@@ -47,6 +47,14 @@ RAW_TEX = re.compile(r"\$\$|\\\(|\\\)|\\\[|\\\]|\\begin\{|\\frac\{|\\sqrt\{")
 UNTYPESET = "span.math:not(:has(mjx-container)), div.math:not(:has(mjx-container))"
 RENDERED = ".widget-subarea > .jupyter-widgets"
 REPORT = {}  # page -> what was checked; written next to the screenshots
+# Code and outputs that scroll sideways: every code block, cell input or output element that
+# shows a horizontal scrollbar (overflow-x auto or scroll, and wider content than its box).
+SIDEWAYS = """() => Array.from(document.querySelectorAll(
+    'main pre, main .cell_input *, main .cell_output *, main div.highlight'))
+  .filter(e => ['auto', 'scroll'].includes(getComputedStyle(e).overflowX)
+    && e.scrollWidth > e.clientWidth + 1)
+  .map(e => `${e.scrollWidth} > ${e.clientWidth} px: `
+    + (e.innerText.split('\\n').find(l => l.length > 80) || e.innerText).trim().slice(0, 60))"""
 
 
 def toc_pages():
@@ -285,6 +293,10 @@ def test_page(visit, page):
     check(not broken, f"images that did not load: {broken}")
     report.update(math=math, images=len(images), widget_views=views)
 
+    # Code fits the page: at 1280 px no code cell, output or code block scrolls sideways.
+    sideways = p.evaluate(SIDEWAYS)
+    check(not sideways, f"code or output that scrolls sideways at 1280 px: {sideways}")
+
     # Colab: the text link and the launch button both open this very notebook.
     if page.startswith("notebooks/"):
         links = p.evaluate(
@@ -330,6 +342,20 @@ def test_page(visit, page):
     check(not v.site.errors, f"the site answered with errors: {v.site.errors}")
     if failures:
         pytest.fail(f"{page}:\n" + "\n".join(failures), pytrace=False)
+
+
+def test_the_sideways_check_catches_a_planted_long_line(visit):
+    v = visit("notebooks/05_causal_masking")
+    v.settle()
+    before = v.page.evaluate(SIDEWAYS)
+    planted = "x = 1  # " + "a long comment " * 8
+    v.page.evaluate(
+        "line => { const pre = document.querySelector('.cell_input pre');"
+        " pre.textContent += '\\n' + line; }",
+        planted,
+    )
+    found = v.page.evaluate(SIDEWAYS)
+    assert len(found) > len(before) and any(planted[:40] in line for line in found), found
 
 
 def test_index_redirects_within_the_site(visit):
