@@ -125,7 +125,7 @@ def bench(args) -> int:
     from tqdm import tqdm
 
     from . import bench
-    from .timing import matmul_roofline
+    from .timing import matmul_rate
 
     try:
         settings = bench_settings(args)
@@ -133,16 +133,16 @@ def bench(args) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    roofline = matmul_roofline((128, 256) if args.quick else (512, 1024, 2048))
+    rate = matmul_rate((128, 256) if args.quick else (512, 1024, 2048))
     rows = []
     for length in tqdm(settings["sizes"], desc="bench", unit="size"):
         rows += bench.measure_size(length, settings)
-    exponents = bench.summarise(rows, settings, roofline)
+    exponents = bench.summarise(rows, settings, rate)
     machine = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     machine.update(cpus=os.cpu_count(), processor=platform.processor() or platform.machine())
-    report = {"settings": settings, "machine": machine, "roofline": roofline, "results": rows}
+    report = {"settings": settings, "machine": machine, "matmul_rate": rate, "results": rows}
     report.update(exponents=exponents, wall_s=time.perf_counter() - started)
-    print(f"matmul roofline: {roofline['gflops']:.1f} GFLOP/s ({roofline['shape']})")
+    print(f"measured matmul rate: {rate['gflops']:.1f} GFLOP/s ({rate['shape']})")
     print(bench.table(rows, exponents))
     _write_json(args.out, report)
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
