@@ -21,7 +21,8 @@ COMMANDS = {"cpp": "g++ -O2 -shared -fPIC", "rust": "rustc -O --crate-type cdyli
 INTEGERS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-def _compiler(language):
+def compiler(language):
+    """The path of the compiler for `language` ('cpp' or 'rust'), or None where there is none."""
     if language not in SOURCES:
         raise ValueError(f"language must be 'cpp' or 'rust', got {language!r}")
     rustup = Path.home() / ".cargo" / "bin" / "rustc"  # often not on PATH
@@ -31,24 +32,25 @@ def _compiler(language):
 
 def compiler_missing(language="cpp"):
     """None if `language` ('cpp' or 'rust') compiles here, else one line saying what to install."""
-    name = None if _compiler(language) else COMMANDS[language].split()[0]
+    name = None if compiler(language) else COMMANDS[language].split()[0]
     return name and f"{name} not found: install it (e.g. `apt-get install {name}`) and rerun"
 
 
 @functools.lru_cache(maxsize=None)
-def build(language="cpp"):
-    """Compile attnlib/csrc/attention.{cpp,rs} into the cache unless it is there; load it."""
-    compiler, source = _compiler(language), Path(__file__).parent / "csrc" / SOURCES[language]
-    if compiler is None:
+def build(language="cpp", flags=None):
+    """Compile attnlib/csrc/attention.{cpp,rs} with `flags` (COMMANDS' by default); load it."""
+    found, source = compiler(language), Path(__file__).parent / "csrc" / SOURCES[language]
+    if found is None:
         raise RuntimeError(compiler_missing(language))
-    version = subprocess.run([compiler, "--version"], capture_output=True, check=True).stdout
-    key = hashlib.sha256(source.read_bytes() + version).hexdigest()[:16]
+    flags = (COMMANDS[language].split(maxsplit=1)[1] if flags is None else flags).split()
+    version = subprocess.run([found, "--version"], capture_output=True, check=True).stdout
+    key = hashlib.sha256(source.read_bytes() + version + " ".join(flags).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("ATTNLIB_CACHE", "~/.cache/attnlib/native")).expanduser()
     library = cache / f"attention-{language}-{key}.so"
     if not library.exists():
         cache.mkdir(parents=True, exist_ok=True)
         partial = cache / f"{library.name}.{os.getpid()}.tmp"
-        command = [compiler, *COMMANDS[language].split()[1:], str(source), "-o", str(partial)]
+        command = [found, *flags, str(source), "-o", str(partial)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
@@ -80,13 +82,12 @@ def _positions(name, positions, length, start):
     return positions.to("cpu", torch.int64).contiguous()
 
 
-def native_attention(
-    q, k, v, q_heads, kv_heads, query_positions=None, key_positions=None, scale=None, language="cpp"
-):
+def native_attention(q, k, v, q_heads, kv_heads, query_positions=None, key_positions=None,
+                     scale=None, language="cpp", flags=None):  # fmt: skip
     """Eqs. 3.2, 3.6, 3.13 and 3.14 as compiled loops over one sequence (see attnlib.loops).
 
-    q [T, Hq*D], k [S, Hkv*D], v [S, Hkv*Dv] -> float32 [T, Hq*Dv]; language 'cpp' or 'rust'.
-    """
+    q [T, Hq*D], k [S, Hkv*D], v [S, Hkv*Dv] -> float32 [T, Hq*Dv]; language 'cpp' or 'rust',
+    built with `flags` (see build)."""
     q, dim = _rows("q", q, q_heads, "[T, Hq*D]")
     k, key_dim = _rows("k", k, kv_heads, "[S, Hkv*D]")
     if q_heads % kv_heads:
@@ -101,7 +102,7 @@ def native_attention(
         raise ValueError(f"head size of q ({dim}) must equal that of k ({key_dim})")
     query_positions = _positions("query_positions", query_positions, queries, keys - queries)
     key_positions = _positions("key_positions", key_positions, keys, 0)
-    kernel = build(language)
+    kernel = build(language, flags)
     out = torch.zeros(queries, q_heads * value_dim, dtype=torch.float32)  # [T, Hq*Dv]
     if queries and keys:  # with no rows there is nothing to point at
         pointers = [x.data_ptr() for x in (q, k, v, query_positions, key_positions, out)]

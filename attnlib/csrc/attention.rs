@@ -1,8 +1,10 @@
-//! Causal attention as explicit loops over flat float32 arrays (eqs. 3.2, 3.6, 3.13, 3.14).
-//! One sequence, no batch axis, rows laid out as in attnlib/loops.py:
+//! Causal attention as explicit loops over flat float32 arrays
+//! (eqs. 3.2, 3.6, 3.13, 3.14). One sequence, no batch axis, rows laid out
+//! as in attnlib/loops.py:
 //!   q [T][Hq*D], k [S][Hkv*D], v [S][Hkv*Dv] -> out [T][Hq*Dv]
-//!   query_positions [T], key_positions [S]; query i sees key j iff kpos[j] <= qpos[i].
-//! Query head h reads KV head h / (Hq/Hkv). attnlib/native.py checks every size before calling.
+//!   query_positions [T], key_positions [S]
+//! Query i sees key j iff kpos[j] <= qpos[i]; query head h reads KV head
+//! h / (Hq/Hkv). attnlib/native.py checks every size before calling.
 use std::slice::{from_raw_parts, from_raw_parts_mut};
 
 #[no_mangle]
@@ -11,17 +13,17 @@ pub unsafe extern "C" fn attention(
     query_positions: *const i64, key_positions: *const i64, scale: f32,
     t: i64, s: i64, d: i64, dv: i64, out: *mut f32,
 ) {
-    let (hq, hkv, t, s, d, dv) =
-        (q_heads as usize, kv_heads as usize, t as usize, s as usize, d as usize, dv as usize);
+    let (hq, hkv) = (q_heads as usize, kv_heads as usize);
+    let (t, s, d, dv) = (t as usize, s as usize, d as usize, dv as usize);
     let q = from_raw_parts(q, t * hq * d); // [T][Hq*D]
     let k = from_raw_parts(k, s * hkv * d); // [S][Hkv*D]
     let v = from_raw_parts(v, s * hkv * dv); // [S][Hkv*Dv]
     let query_positions = from_raw_parts(query_positions, t); // [T]
     let key_positions = from_raw_parts(key_positions, s); // [S]
     let out = from_raw_parts_mut(out, t * hq * dv); // [T][Hq*Dv]
-    let mut weights = vec![0.0f32; s]; // [S]: one row of scores, then of weights
+    let mut weights = vec![0.0f32; s]; // [S]: one row of scores, then weights
     for i in 0..t {
-        let sees = |j: usize| key_positions[j] <= query_positions[i]; // eq. 3.13
+        let sees = |j: usize| key_positions[j] <= query_positions[i]; // 3.13
         for h in 0..hq {
             let kv = h / (hq / hkv); // eq. 3.14
             let query = &q[(i * hq + h) * d..][..d]; // [D]
@@ -47,7 +49,7 @@ pub unsafe extern "C" fn attention(
                 let value = &v[(j * hkv + kv) * dv..][..dv]; // [Dv]
                 let weight = weights[j] / total;
                 for (o, x) in row.iter_mut().zip(value) {
-                    *o += weight * x; // eq. 3.2
+                    *o += weight * x; // eq. 3.2: the weighted sum of the values
                 }
             }
         }
