@@ -1,0 +1,48 @@
+"""Decoding from a KV cache: the cache's bytes (eq. 3.23) and its FLOPs per byte (eq. 3.24).
+
+Both are counted from the shapes alone, like attnlib.cost. Each layer's cache holds keys and
+values [B, Hkv, S, Dh]; a decoding step runs T = 1 query per query head against all S of them.
+"""
+
+import torch
+
+from ..cost import _count, attention_flops
+
+
+def kv_cache_bytes(
+    tokens: int,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.bfloat16,
+    batch: int = 1,
+) -> int:
+    """Bytes of a KV cache, eq. 3.23: 2 (K and V) * B * layers * Hkv * S * Dh * itemsize.
+
+    Keys and values are [B, Hkv, S, Dh] in every layer; positions and other bookkeeping are left
+    out.
+    """
+    _count("tokens", tokens)
+    for name, value in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+        _count(name, value, 1)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * _count("batch", batch, 1) * layers * kv_heads * tokens * head_dim * itemsize
+
+
+def kv_intensity(
+    queries: int,
+    keys: int,
+    head_dim: int,
+    q_heads: int,
+    kv_heads: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> float:
+    """FLOPs per byte of K and V read, eq. 3.24, when T queries [B, Hq, T, D] see all S keys.
+
+    attention_flops over kv_cache_bytes: 4*T*S*D*Hq / (2*S*D*Hkv*itemsize) = (2T/itemsize)(Hq/Hkv).
+    """
+    _count("queries", queries, 1), _count("keys", keys, 1)
+    if _count("q_heads", q_heads, 1) % _count("kv_heads", kv_heads, 1):
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
+    flops = attention_flops(queries, keys, head_dim, heads=q_heads)
+    return flops / kv_cache_bytes(keys, 1, kv_heads, head_dim, dtype)
