@@ -19,9 +19,11 @@ def dtype_keyword() -> str:
 
 
 def cache_keyword() -> str:
-    """Qwen3Attention.forward's cache keyword: `cache` (v5), `past_key_values`, `past_key_value`."""
+    """Qwen3Attention.forward's cache keyword: `cache` in transformers 5,
+    `past_key_values` or `past_key_value` before."""
     params = _parameters(Qwen3Attention.forward)
-    return next(name for name in ("cache", "past_key_values", "past_key_value") if name in params)
+    names = ("cache", "past_key_values", "past_key_value")
+    return next(name for name in names if name in params)
 
 
 def rope_keywords(theta: float) -> dict:

@@ -7,6 +7,7 @@ with the layer's own weights, and measures the largest difference case by case, 
 """
 
 import datetime
+import logging
 import math
 import platform
 
@@ -46,8 +47,8 @@ def qwen3_config(attn_implementation: str = "sdpa", **geometry) -> Qwen3Config:
     geometry = {**QWEN3_0_6B, **geometry}
     geometry.update(rope_keywords(geometry.pop("rope_theta")))
     config = Qwen3Config(num_hidden_layers=1, intermediate_size=64, vocab_size=16, **geometry)
-    # A fresh config has _attn_implementation None, and the layer then falls back to eager with a
-    # warning. Set it explicitly; the layer reads it again at every forward.
+    # In transformers 5 a fresh config has _attn_implementation None, and the layer then logs a
+    # warning and runs eager. Set it explicitly; the layer reads it again at every forward.
     config._attn_implementation = attn_implementation
     return config
 
@@ -133,11 +134,30 @@ def layer_forward(layer, x, cos, sin, mask, cache=None) -> torch.Tensor:
     """Call the HF layer on x [B, T, d_model] -> [B, T, d_model], passing the cache by its keyword.
 
     Always pass `mask` (e.g. causal_mask): with attention_mask=None eager is not causal at all,
-    and sdpa with more keys than queries silently drops the keys past the first T.
+    and sdpa asks SDPA for its top-left is_causal mask, wrong as soon as there are more keys
+    than queries.
     """
     kwargs = {} if cache is None else {cache_keyword(): cache}
     with torch.no_grad():
         return layer(x, position_embeddings=(cos, sin), attention_mask=mask, **kwargs)[0]
+
+
+def logged_warnings(call):
+    """Run call() and return (its result, the warnings transformers logged meanwhile).
+
+    The messages are collected instead of printed: transformers' own stderr handler is off.
+    """
+    messages, handler = [], logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = transformers.utils.logging.get_logger("transformers")
+    transformers.utils.logging.disable_default_handler()
+    logger.addHandler(handler)
+    try:
+        result = call()
+    finally:
+        logger.removeHandler(handler)
+        transformers.utils.logging.enable_default_handler()
+    return result, messages
 
 
 def tolerance(dtype: str, output_scale: float) -> float:
@@ -174,7 +194,7 @@ def _cached(layer, x, cos, sin, prefill: int, new: int) -> dict:
     pieces = []
     for start, end in ((0, prefill), (prefill, stop)):
         # The new queries see all `end` keys: a bottom-right mask [B, 1, end - start, end].
-        # With no mask, sdpa would keep only the first end - start keys of the cache.
+        # With no mask, sdpa would use SDPA's top-left mask: new query i would see keys 0..i.
         mask = causal_mask(batch, end - start, end, x.dtype, x.device)
         piece = layer_forward(
             layer, x[:, start:end], cos[:, start:end], sin[:, start:end], mask, cache
@@ -289,7 +309,7 @@ def report(
 def format_report(result: dict) -> str:
     """The report as a small table: one row per case, max |manual - layer| for eager and sdpa."""
     lines = [
-        f"Qwen3 attention check: {result['model']}, weights {result['weights']}, "
+        f"Qwen3 attention check: {result['model']}, weights {result['weights']},",
         f"layer {result['layer']}, {result['dtype']}, T={result['seq_len']}, B={result['batch']}",
         f"{'case':<18}" + "".join(f"{impl:>10}" for impl in IMPLEMENTATIONS),
     ]
