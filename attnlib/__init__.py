@@ -27,26 +27,13 @@ try:
 except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "unknown"
 
+# The public names, packed (one a line would double this file).
+# fmt: off
 __all__ = [
-    "KVCache",
-    "MultiHeadAttention",
-    "SIX_TOKENS",
-    "SIX_WORDS",
-    "attention_flops",
-    "attention_weights",
-    "causal_attention",
-    "growth_exponent",
-    "left_padding",
-    "longest_fitting_length",
-    "loops",
-    "merge_heads",
-    "repeat_kv",
-    "score_matrix_bytes",
-    "sliding_window",
-    "softmax",
-    "softmax_jacobian",
-    "split_heads",
-    "tiled_attention",
-    "visible",
+    "KVCache", "MultiHeadAttention", "SIX_TOKENS", "SIX_WORDS", "attention_flops",
+    "attention_weights", "causal_attention", "growth_exponent", "left_padding",
+    "longest_fitting_length", "loops", "merge_heads", "repeat_kv", "score_matrix_bytes",
+    "sliding_window", "softmax", "softmax_jacobian", "split_heads", "tiled_attention", "visible",
     "visible_pairs",
 ]
+# fmt: on

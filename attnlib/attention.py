@@ -1,7 +1,5 @@
 """Scaled dot-product attention under the positions rule (eqs. 3.2, 3.5, 3.10, 3.13, 3.14).
 
-causal=False drops the rule: every query sees every key (bidirectional, as in an encoder).
-
 Shapes are written [B, H, T, D]: batch, heads, tokens (T queries, S keys), features.
 `prepare` is the preamble every attention function shares: checks, positions, mask, scale.
 """
@@ -28,19 +26,13 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             f"q, k and v must share a floating-point dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
     if not (q.device == k.device == v.device):
-        raise ValueError(
-            f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}"
-        )
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(
-            f"batch sizes differ: q has {q.shape[0]}, k has {k.shape[0]}, v has {v.shape[0]}"
-        )
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"head dimension of q ({q.shape[3]}) must equal that of k ({k.shape[3]})")
     if k.shape[1:3] != v.shape[1:3]:
-        raise ValueError(
-            f"k {list(k.shape)} and v {list(v.shape)} must have the same KV heads and keys"
-        )
+        raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} need the same KV heads and keys")
     if q.shape[1] % k.shape[1]:
         raise ValueError(
             f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
@@ -96,9 +88,7 @@ def prepare(
     keys = k.shape[2]
     if not causal and (query_positions is not None or key_positions is not None):
         raise ValueError("positions only matter under the causal rule: drop them or causal=True")
-    if not causal:  # positions are unused; any T and S go together
-        query_positions = torch.zeros(queries, dtype=torch.long)
-    if query_positions is None and queries > keys:
+    if causal and query_positions is None and queries > keys:
         raise ValueError(
             f"more queries ({queries}) than keys ({keys}): the default query positions "
             "S-T..S-1 need T <= S, so pass query_positions"
@@ -113,10 +103,7 @@ def prepare(
 
 
 def mask_of(prepared: Prepared) -> Optional[torch.Tensor]:
-    """The boolean mask of eqs. 3.10/3.13: positions rule AND `allowed`, [B, 1 or Hq, T, S].
-
-    Without the causal rule it is `allowed` alone, None when every query sees every key.
-    """
+    """The mask of eqs. 3.10/3.13, [B, 1 or Hq, T, S]: positions rule (if causal) AND `allowed`."""
     if not prepared.causal:
         return prepared.allowed
     mask = visible(prepared.query_positions, prepared.key_positions)  # [B, 1, T, S]
