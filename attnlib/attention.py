@@ -165,7 +165,8 @@ def causal_attention(
     `allowed`: an optional boolean mask broadcastable to [B, Hq, T, S] (True = may attend).
     The default scale is 1/sqrt(D). A query that sees no key outputs zeros.
     causal=False drops the positions rule: every query sees every key (bidirectional).
-    fused=True runs the same mask through PyTorch's fused kernel instead of the lines below.
+    fused=True: PyTorch's fused kernel with the same dense [B, 1, T, S] mask (chapter 12 shows
+    why that mask is itself T x S, and `causal_lower_right`, which keeps the fused kernel).
     """
     prepared = prepare(q, k, v, query_positions, key_positions, allowed, scale, causal)
     if fused:  # PyTorch's kernel, given the same bottom-right mask (never is_causal: top-left)
