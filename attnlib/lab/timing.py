@@ -48,6 +48,3 @@ def matmul_rate(sizes=(512, 1024, 2048), repeats: int = 5) -> dict:
                 "shape": f"[{batch}, {rows}, {inner}] @ [{batch}, {inner}, {cols}]",
             }
     return best
-
-
-matmul_roofline = matmul_rate  # the old name, until the chapters that call it are re-run
