@@ -140,3 +140,21 @@ def test_a_second_build_loads_the_cached_library(language, tmp_path, monkeypatch
         assert list(tmp_path.iterdir()) == [library] and library.stat().st_mtime_ns == built
     finally:
         native.build.cache_clear()
+
+
+def test_other_flags_build_a_second_library_with_the_same_numbers(tmp_path, monkeypatch):
+    """-O3 vectorises the weighted sum (chapter 10) without reordering a sum: same bits."""
+    need("cpp")
+    monkeypatch.setenv("ATTNLIB_CACHE", str(tmp_path))
+    native.build.cache_clear()
+    try:
+        generator = torch.Generator().manual_seed(0)
+        q = torch.randn(5, 2 * 4, generator=generator)  # [T, Hq*D]: 2 query heads of 4
+        k, v = torch.randn(2, 7, 4, generator=generator)  # [S, Hkv*D]: 1 KV head
+        default = native_attention(q, k, v, 2, 1)
+        other = native_attention(q, k, v, 2, 1, flags="-O3 -shared -fPIC")
+        assert torch.equal(default, other)
+        assert len(list(tmp_path.glob("*.so"))) == 2  # the flags are part of the cache key
+        torch.testing.assert_close(default, tensor_version(q, k, v, 2, 1), atol=1e-5, rtol=0)
+    finally:
+        native.build.cache_clear()
