@@ -41,7 +41,7 @@ def test_flops_match_pytorchs_flop_counter(queries, keys, dim, value_dim, heads)
 def test_visible_pairs_counts_the_mask(queries, extra):
     keys = queries + extra
     q, k = torch.zeros(1, 1, queries, 1), torch.zeros(1, 1, keys, 1)
-    query_pos, key_pos, _, _ = prepare(q, k, k)  # the default positions of causal_attention
+    query_pos, key_pos = prepare(q, k, k)[:2]  # the default positions of causal_attention
     assert visible_pairs(queries, keys) == int(visible(query_pos, key_pos).sum())
     causal = attention_flops(queries, keys, 4, causal=True)
     assert causal == 2 * visible_pairs(queries, keys) * (4 + 4)
