@@ -23,7 +23,7 @@ WIDGET_FONTS := extra/notebooks/@jupyter-widgets/html-manager/dist
 # The book is rebuilt from scratch (--all: fresh environment, every notebook executed) when
 # anything it is made of changes; otherwise `make book` does nothing.
 BOOK_STAMP := _build/.book-built
-BOOK_INPUTS := _config.yml _toc.yml $(wildcard book/* notebooks/*.ipynb attnlib/*.py \
+BOOK_INPUTS := _config.yml _toc.yml $(wildcard book/*.md book/css/* notebooks/*.ipynb attnlib/*.py \
   attnlib/*/*.py attnlib/csrc/*)
 
 # A second environment with Colab-like versions (constraints-colab.txt), for `make test-colab`.
