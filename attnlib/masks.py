@@ -31,14 +31,19 @@ def check_allowed(allowed, target: Tuple[int, int, int, int]) -> torch.Tensor:
     return allowed.reshape((1,) * (4 - len(axes)) + axes)  # [B or 1, Hq or 1, T or 1, S or 1]
 
 
+def check_window(window) -> None:
+    """Raise ValueError unless `window` (of `sliding_window`) is an integer of at least 1."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an integer of at least 1, got {window!r}")
+
+
 def sliding_window(query_positions, key_positions, window: int) -> torch.Tensor:
     """The `allowed` mask of a window: query i may see key j iff pos(q_i) - pos(k_j) < window.
 
     With the causal rule each query sees only its last `window` keys (itself included).
     Positions [T] and [S] give [T, S]; positions with a batch axis give [B, 1, T, S].
     """
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an integer of at least 1, got {window!r}")
+    check_window(window)
     query_positions = torch.as_tensor(query_positions)
     key_positions = torch.as_tensor(key_positions, device=query_positions.device)
     if query_positions.dim() == 1 and key_positions.dim() == 1:

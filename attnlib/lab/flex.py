@@ -16,6 +16,7 @@ import shutil
 import torch
 
 from ..attention import prepare
+from ..masks import check_window
 
 
 def positions_mask_mod(query_positions, key_positions, window):
@@ -32,16 +33,9 @@ def positions_mask_mod(query_positions, key_positions, window):
     return mask_mod
 
 
-def _check_window(window) -> None:
-    if window is not None and (
-        isinstance(window, bool) or not isinstance(window, int) or window < 1
-    ):
-        raise ValueError(f"window must be an integer of at least 1, or None, got {window!r}")
-
-
 def _window(window, query_positions, key_positions) -> torch.Tensor:
-    """The window as a 0-d tensor; None becomes one wider than any distance (so no recompile)."""
-    _check_window(window)
+    """The window (None or `check_window`'s) as a 0-d tensor; None becomes one wider than any
+    distance (so no recompile)."""
     if window is None:
         span = int(query_positions.max()) - int(key_positions.min())
         window = max(span, 0) + 1
@@ -55,6 +49,8 @@ def positions_block_mask(query_positions, key_positions, window=None, block_size
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
+    if window is not None:
+        check_window(window)
     query_positions, key_positions = query_positions.contiguous(), key_positions.contiguous()
     rule = positions_mask_mod(
         query_positions, key_positions, _window(window, query_positions, key_positions)
@@ -108,7 +104,8 @@ def flex_causal_attention(
     Pads: negative positions (as `left_padding` gives), never read; window: keys pos(q)-pos(k) < w.
     """
     prepared = prepare(q, k, v, query_positions, key_positions, None, scale)
-    _check_window(window)
+    if window is not None:
+        check_window(window)
     _check_can_run(q, k, v)
     if q.shape[2] == 0 or k.shape[2] == 0:  # nothing to compute; FlexAttention needs lengths
         return q.new_zeros(*q.shape[:3], v.shape[3])
