@@ -1,4 +1,4 @@
-"""Scaled dot-product attention under the positions rule (eqs. 3.2, 3.5, 3.10, 3.13, 3.14).
+"""Scaled dot-product attention under the positions rule (eqs. 2.2, 2.1, 5.1, 7.1, 9.1).
 
 Shapes are written [B, H, T, D]: batch, heads, tokens (T queries, S keys), features.
 `prepare` is the preamble every attention function shares: checks, positions, mask, scale.
@@ -40,7 +40,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def check_scale(scale, dim: int) -> float:
-    """The scale of eq. 3.5: 1/sqrt(D) by default, else a finite positive number."""
+    """The scale of eq. 2.1: 1/sqrt(D) by default, else a finite positive number."""
     if scale is None:
         return 1.0 / math.sqrt(dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -103,7 +103,7 @@ def prepare(
 
 
 def mask_of(prepared: Prepared) -> Optional[torch.Tensor]:
-    """The mask of eqs. 3.10/3.13, [B, 1 or Hq, T, S]: positions rule (if causal) AND `allowed`."""
+    """The mask of eqs. 5.1/7.1, [B, 1 or Hq, T, S]: positions rule (if causal) AND `allowed`."""
     if not prepared.causal:
         return prepared.allowed
     mask = visible(prepared.query_positions, prepared.key_positions)  # [B, 1, T, S]
@@ -111,7 +111,7 @@ def mask_of(prepared: Prepared) -> Optional[torch.Tensor]:
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Grouped-query attention, eq. 3.14: [B, Hkv, S, D] -> [B, Hkv*n_rep, S, D].
+    """Grouped-query attention, eq. 9.1: [B, Hkv, S, D] -> [B, Hkv*n_rep, S, D].
 
     Query head h then reads copy h, which is KV head h // n_rep.
     """
@@ -131,14 +131,14 @@ def _weights(q: torch.Tensor, k: torch.Tensor, prepared: Prepared) -> torch.Tens
     scores = (q.to(work) @ k.to(work).transpose(-2, -1)) * prepared.scale  # [B, Hq, T, S], 3.5
     mask = mask_of(prepared)
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))  # eq. 3.10: before the softmax
-    return softmax(scores, dim=-1)  # eq. 3.6
+        scores = scores.masked_fill(~mask, float("-inf"))  # eq. 5.1: before the softmax
+    return softmax(scores, dim=-1)  # eq. 4.1
 
 
 def attention_weights(
     q, k, query_positions=None, key_positions=None, allowed=None, scale=None, causal=True
 ):
-    """The attention matrix A of eq. 3.2 under the mask of eqs. 3.10/3.13, in float32 (or 64).
+    """The attention matrix A of eq. 2.2 under the mask of eqs. 5.1/7.1, in float32 (or 64).
 
     q [B, Hq, T, D], k [B, Hkv, S, D] -> A [B, Hq, T, S]; each row sums to 1, or is all zeros
     when the query sees no key. causal=False: no positions rule (bidirectional).
@@ -158,14 +158,14 @@ def causal_attention(
     fused: bool = False,
     causal: bool = True,
 ) -> torch.Tensor:
-    """Scaled dot-product attention, eq. 3.2, with the positions rule (3.13) and GQA (3.14).
+    """Scaled dot-product attention, eq. 2.2, with the positions rule (7.1) and GQA (9.1).
 
     q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> [B, Hq, T, Dv] in q's dtype.
     Positions are [T]/[S] or [B, T]/[B, S]; by default the queries are the last T of S keys.
     `allowed`: an optional boolean mask broadcastable to [B, Hq, T, S] (True = may attend).
     The default scale is 1/sqrt(D). A query that sees no key outputs zeros.
     causal=False drops the positions rule: every query sees every key (bidirectional).
-    fused=True: PyTorch's fused kernel with the same dense [B, 1, T, S] mask (chapter 12 shows
+    fused=True: PyTorch's fused kernel with the same dense [B, 1, T, S] mask (chapter 13 shows
     why that mask is itself T x S, and `causal_lower_right`, which keeps the fused kernel).
     """
     prepared = prepare(q, k, v, query_positions, key_positions, allowed, scale, causal)

@@ -1,4 +1,4 @@
-"""What attention costs: FLOPs and bytes of eq. 3.2, counted from the shapes alone.
+"""What attention costs: FLOPs and bytes of eq. 2.2, counted from the shapes alone.
 
 One query-key pair costs 2*D FLOPs for its score q.k (D multiplies, D adds) and 2*Dv for its
 share of the output a_ij * v_j, so T queries against S keys cost 2*T*S*D + 2*T*S*Dv: 4*T^2*D
@@ -18,7 +18,7 @@ def _count(name: str, value: int, low: int = 0) -> int:
 
 
 def visible_pairs(queries: int, keys: int) -> int:
-    """Query-key pairs the causal rule (eq. 3.13) keeps when the queries are the last T of S keys.
+    """Query-key pairs the causal rule (eq. 7.1) keeps when the queries are the last T of S keys.
 
     Query i sees keys 0..S-T+i, so the count is T*S - T*(T-1)/2 (T*(T+1)/2 when T = S).
     """
@@ -37,7 +37,7 @@ def attention_flops(
     batch: int = 1,
     causal: bool = False,
 ) -> int:
-    """FLOPs of the two matmuls of eq. 3.2: scores QK^T (2*T*S*D) and output AV (2*T*S*Dv).
+    """FLOPs of the two matmuls of eq. 2.2: scores QK^T (2*T*S*D) and output AV (2*T*S*Dv).
 
     That is 4*T*S*D per head when Dv = D. causal=True counts only the visible pairs (what a
     kernel that skips hidden keys must do); the default counts all T*S, as the naive method does.

@@ -1,6 +1,6 @@
 """Heads: splitting features into heads, multi-head attention with GQA and a KV cache.
 
-Eqs. 3.1, 3.11 and 3.12; x is [B, T, H*Dh] before the split and [B, H, T, Dh] after it.
+Eqs. 2.1, 6.1 and 6.2; x is [B, T, H*Dh] before the split and [B, H, T, Dh] after it.
 """
 
 from typing import Optional, Tuple
@@ -25,7 +25,7 @@ def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def merge_heads(x: torch.Tensor) -> torch.Tensor:
-    """[B, H, T, Dh] -> [B, T, H*Dh], the inverse of split_heads (the concatenation of eq. 3.12)."""
+    """[B, H, T, Dh] -> [B, T, H*Dh], the inverse of split_heads (the concatenation of eq. 6.2)."""
     if x.dim() != 4:
         raise ValueError(f"merge_heads needs x of shape [B, H, T, Dh], got {list(x.shape)}")
     batch, heads, tokens, head_dim = x.shape
@@ -62,10 +62,10 @@ class KVCache:
 
 
 class MultiHeadAttention(nn.Module):
-    """Causal multi-head attention, eqs. 3.11-3.12, with q_heads query and kv_heads KV heads.
+    """Causal multi-head attention, eqs. 6.1-6.2, with q_heads query and kv_heads KV heads.
 
     x [B, T, d_in] -> [B, T, d_model]. One fused projection makes all heads' q, k and v
-    (eq. 3.1); heads have size d_model / q_heads; W_O mixes the concatenated heads (eq. 3.12).
+    (eq. 2.1); heads have size d_model / q_heads; W_O mixes the concatenated heads (eq. 6.2).
     """
 
     def __init__(
@@ -82,7 +82,7 @@ class MultiHeadAttention(nn.Module):
         self.q_heads, self.kv_heads = q_heads, kv_heads
         self.head_dim = d_model // q_heads
         self.qkv = nn.Linear(d_in, (q_heads + 2 * kv_heads) * self.head_dim, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)  # W_O of eq. 3.12
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)  # W_O of eq. 6.2
 
     def forward(
         self,

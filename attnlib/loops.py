@@ -10,7 +10,7 @@ from .attention import check_scale
 
 
 def softmax(scores):
-    """Eq. 3.6 on a list, stable; an empty row stays empty."""
+    """Eq. 4.1 on a list, stable; an empty row stays empty."""
     if not scores:
         return []
     top = max(scores)
@@ -22,7 +22,7 @@ def softmax(scores):
 def causal_attention(
     q, k, v, q_heads, kv_heads, query_positions=None, key_positions=None, scale=None
 ):
-    """Eqs. 3.2, 3.10, 3.13 and 3.14, one query, head and key at a time.
+    """Eqs. 2.2, 5.1, 7.1 and 9.1, one query, head and key at a time.
 
     Returns out [T][Hq*Dv]. Default positions: keys 0..S-1, queries the last T of them.
     """

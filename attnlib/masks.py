@@ -1,4 +1,4 @@
-"""Who may attend to whom: the positions rule (eq. 3.13), windows, padding and `allowed` masks.
+"""Who may attend to whom: the positions rule (eq. 7.1), windows, padding and `allowed` masks.
 
 Masks are boolean, True meaning "may attend", shaped to broadcast to [B, Hq, T, S].
 """
@@ -9,7 +9,7 @@ import torch
 
 
 def visible(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-    """The positions rule, eq. 3.13: key j is visible to query i iff pos(k_j) <= pos(q_i).
+    """The positions rule, eq. 7.1: key j is visible to query i iff pos(k_j) <= pos(q_i).
 
     query_positions [B, T], key_positions [B, S] -> boolean [B, 1, T, S] (broadcasts over heads).
     """

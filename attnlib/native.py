@@ -84,7 +84,7 @@ def _positions(name, positions, length, start):
 
 def native_attention(q, k, v, q_heads, kv_heads, query_positions=None, key_positions=None,
                      scale=None, language="cpp", flags=None):  # fmt: skip
-    """Eqs. 3.2, 3.6, 3.13 and 3.14 as compiled loops over one sequence (see attnlib.loops).
+    """Eqs. 2.2, 4.1, 7.1 and 9.1 as compiled loops over one sequence (see attnlib.loops).
 
     q [T, Hq*D], k [S, Hkv*D], v [S, Hkv*Dv] -> float32 [T, Hq*Dv]; language 'cpp' or 'rust',
     built with `flags` (see build)."""

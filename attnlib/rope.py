@@ -1,14 +1,14 @@
-"""Rotary position embeddings (RoPE), derived in chapter 9: the rotate-half layout, eq. 3.17.
+"""Rotary position embeddings (RoPE), derived in chapter 8: the rotate-half layout, eq. 8.4.
 
 Feature i of a head pairs with feature i + D/2, turned at position p by p * theta**(-2i/D)
-radians (eqs. 3.27-3.28). Shapes: x [B, H, T, D], cos and sin [T, D] or [B, T, D].
+radians (eqs. 8.3-8.5). Shapes: x [B, H, T, D], cos and sin [T, D] or [B, T, D].
 """
 
 import torch
 
 
 def rope_frequencies(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
-    """Eq. 3.27: the angle per position of each feature pair, theta**(-2i/D) for i < D/2: [D/2]."""
+    """Eq. 8.3: the angle per position of each feature pair, theta**(-2i/D) for i < D/2: [D/2]."""
     if head_dim < 2 or head_dim % 2:
         raise ValueError(f"RoPE needs an even head dimension of at least 2, got {head_dim}")
     if not theta > 0:
@@ -17,7 +17,7 @@ def rope_frequencies(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
 
 
 def rope_cos_sin(positions, head_dim: int, theta: float = 10000.0):
-    """cos and sin of eq. 3.17 for integer positions [T] or [B, T]: [T, D] or [B, T, D], float32."""
+    """cos and sin of eq. 8.4 for integer positions [T] or [B, T]: [T, D] or [B, T, D], float32."""
     positions = torch.as_tensor(positions)
     if positions.dtype.is_floating_point or positions.dtype == torch.bool:
         raise ValueError(f"positions must hold integers, got {positions.dtype}")
@@ -30,13 +30,13 @@ def rope_cos_sin(positions, head_dim: int, theta: float = 10000.0):
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) on the two halves of the last axis: the 90-degree turn of eq. 3.17."""
+    """(x1, x2) -> (-x2, x1) on the two halves of the last axis: the 90-degree turn of eq. 8.4."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Eq. 3.17, x cos + rotate_half(x) sin: x [B, H, T, D], cos and sin [T, D] or [B, T, D].
+    """Eq. 8.4, x cos + rotate_half(x) sin: x [B, H, T, D], cos and sin [T, D] or [B, T, D].
 
     cos and sin are cast to x's dtype first, as Hugging Face does."""
     if x.dim() != 4 or x.shape[-1] % 2:

@@ -1,10 +1,10 @@
-"""The softmax (eq. 3.6) and its Jacobian (eq. 3.7)."""
+"""The softmax (eq. 4.1) and its Jacobian (eq. 4.2)."""
 
 import torch
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Stable softmax, eq. 3.6: a_i = exp(z_i - max z) / sum_j exp(z_j - max z).
+    """Stable softmax, eq. 4.1: a_i = exp(z_i - max z) / sum_j exp(z_j - max z).
 
     Subtracting the row maximum changes nothing mathematically and keeps exp() finite.
     A row that is entirely -inf (a query that sees no key) returns zeros, not NaN.
@@ -19,7 +19,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def softmax_jacobian(a: torch.Tensor) -> torch.Tensor:
-    """Jacobian of the softmax from its output, eq. 3.7: da_i/dz_j = a_i (delta_ij - a_j).
+    """Jacobian of the softmax from its output, eq. 4.2: da_i/dz_j = a_i (delta_ij - a_j).
 
     a: probabilities [..., L]. Returns [..., L, L] = diag(a) - a a^T.
     """

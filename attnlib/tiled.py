@@ -1,7 +1,7 @@
-"""Tiled attention with an online softmax, FlashAttention-style (eqs. 3.15-3.16), and its backward.
+"""Tiled attention with an online softmax, FlashAttention-style (eqs. 14.1-14.2), and its backward.
 
 The same function as `causal_attention`, one [query block x key block] tile at a time, so the
-[T, S] score matrix never exists, not even for training: the backward (eqs. 3.18-3.22)
+[T, S] score matrix never exists, not even for training: the backward (eqs. 15.1-15.5)
 recomputes each tile's weights from the per-row log-sum-exp L that the forward saves.
 """
 
@@ -23,7 +23,7 @@ def _block_bounds(positions: torch.Tensor, block: int):
 
 
 def _tiles(prepared: Prepared, block: int):
-    """Per query block: (i0, i1, its key tiles (j0, j1, mask)), leaving out the tiles that eq. 3.13
+    """Per query block: (i0, i1, its key tiles (j0, j1, mask)), leaving out the tiles that eq. 7.1
     and `allowed` hide; mask: None if all is visible, else boolean [B or 1, Hq or 1, t, s]."""
     query_pos, key_pos, allowed = prepared[:3]
     queries, keys = query_pos.shape[1], key_pos.shape[1]
@@ -52,7 +52,7 @@ def _tiles(prepared: Prepared, block: int):
 
 
 def _scores(q_tile: torch.Tensor, k_tile: torch.Tensor, mask) -> torch.Tensor:
-    """One tile of scores (eq. 3.5), [B, Hkv, g*t, s], -inf where the mask hides the key (3.10)."""
+    """One tile of scores (eq. 2.1), [B, Hkv, g*t, s], -inf where the mask hides the key (5.1)."""
     scores = q_tile @ k_tile.transpose(-2, -1)  # [B, Hkv, g*t, s]
     if mask is not None:  # mask [B|1, Hq|1, t, s]: split its heads as Hkv x g, like the scores
         heads = (-1, scores.shape[2] // mask.shape[2] if mask.shape[1] > 1 else 1)
@@ -62,8 +62,8 @@ def _scores(q_tile: torch.Tensor, k_tile: torch.Tensor, mask) -> torch.Tensor:
 
 
 def _forward(q, k, v, prepared: Prepared, block: int, with_lse: bool):
-    """Eqs. 3.15-3.16 by tiles: O [B, Hq, T, Dv] in q's dtype and, if asked, L [B, Hq, T] (3.22)."""
-    group, work = q.shape[1] // k.shape[1], compute_dtype(q.dtype)  # eq. 3.14: h = kv*g + r
+    """Eqs. 14.1-14.2 by tiles: O [B, Hq, T, Dv] in q's dtype and, if asked, L [B, Hq, T] (15.5)."""
+    group, work = q.shape[1] // k.shape[1], compute_dtype(q.dtype)  # eq. 9.1: h = kv*g + r
     q, k, v = q.unflatten(1, (-1, group)), k.to(work), v.to(work)  # [B, Hkv, g, T, D]
     out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=work)  # [B, Hkv, g, T, Dv]
     lse = q.new_full(q.shape[:-1], math.inf, dtype=work) if with_lse else None  # [B, Hkv, g, T]
@@ -77,11 +77,11 @@ def _forward(q, k, v, prepared: Prepared, block: int, with_lse: bool):
         o = q_tile.new_zeros(*q_tile.shape[:3], v.shape[-1])  # accumulator o, [B, Hkv, g*t, Dv]
         for j0, j1, mask in tiles:
             scores = _scores(q_tile, k[:, :, j0:j1], mask)  # [B, Hkv, g*t, s]
-            new_m = torch.maximum(m, scores.amax(-1, keepdim=True))  # eq. 3.15: m'
+            new_m = torch.maximum(m, scores.amax(-1, keepdim=True))  # eq. 14.1: m'
             rescale = torch.exp2(m - new_m)  # e^{m - m'}
             weights = scores.sub_(new_m).exp2_()  # e^{s_j - m'}
-            ell.mul_(rescale).add_(weights.sum(-1, keepdim=True))  # eq. 3.15: l'
-            o.mul_(rescale).add_(weights @ v[:, :, j0:j1])  # eq. 3.16: o'
+            ell.mul_(rescale).add_(weights.sum(-1, keepdim=True))  # eq. 14.1: l'
+            o.mul_(rescale).add_(weights @ v[:, :, j0:j1])  # eq. 14.2: o'
             m = new_m
         o /= ell.masked_fill(ell == 0, 1.0)  # o / l; a row that saw nothing stays 0
         out[:, :, :, i0:i1] = o.unflatten(2, (group, -1))
@@ -92,9 +92,9 @@ def _forward(q, k, v, prepared: Prepared, block: int, with_lse: bool):
 
 
 def _backward(grad, q, k, v, out, lse, prepared: Prepared, block: int):
-    """Eqs. 3.18-3.21 by tiles: dQ, dK, dV from dO [B, Hq, T, Dv]; each tile's P from L (3.22)."""
+    """Eqs. 15.1-15.4 by tiles: dQ, dK, dV from dO [B, Hq, T, Dv]; each tile's P from L (15.5)."""
     group, work, scale = q.shape[1] // k.shape[1], compute_dtype(q.dtype), prepared.scale
-    delta = (grad.to(work) * out.to(work)).sum(-1)  # D = rowsum(dO o O), eq. 3.19, [B, Hq, T]
+    delta = (grad.to(work) * out.to(work)).sum(-1)  # D = rowsum(dO o O), eq. 15.2, [B, Hq, T]
     per_query = (q.to(work) * (scale * LOG2_E), grad.to(work), lse * LOG2_E, delta)  # base 2
     q2, grad, lse, delta = (x.unflatten(1, (-1, group)) for x in per_query)  # [B, Hkv, g, T, .]
     k, v = k.to(work), v.to(work)  # [B, Hkv, S, D], [B, Hkv, S, Dv]
@@ -103,11 +103,11 @@ def _backward(grad, q, k, v, out, lse, prepared: Prepared, block: int):
         q_tile, do = (x[:, :, :, i0:i1].flatten(2, 3) for x in (q2, grad))  # [B, Hkv, g*t, D|Dv]
         row_lse, row_delta = (x[:, :, :, i0:i1].flatten(2, 3)[..., None] for x in (lse, delta))
         for j0, j1, mask in tiles:
-            p = _scores(q_tile, k[:, :, j0:j1], mask).sub_(row_lse).exp2_()  # eq. 3.22: P
-            dv[:, :, j0:j1] += p.transpose(-2, -1) @ do  # eq. 3.18: dV = P^T dO, summed over g
-            ds = (do @ v[:, :, j0:j1].transpose(-2, -1)).sub_(row_delta).mul_(p)  # eq. 3.20
-            dq[:, :, :, i0:i1] += (ds @ k[:, :, j0:j1]).unflatten(2, (group, -1))  # eq. 3.21
-            dk[:, :, j0:j1] += ds.transpose(-2, -1) @ q_tile  # eq. 3.21, q_tile holds the scale
+            p = _scores(q_tile, k[:, :, j0:j1], mask).sub_(row_lse).exp2_()  # eq. 15.5: P
+            dv[:, :, j0:j1] += p.transpose(-2, -1) @ do  # eq. 15.1: dV = P^T dO, summed over g
+            ds = (do @ v[:, :, j0:j1].transpose(-2, -1)).sub_(row_delta).mul_(p)  # eq. 15.3
+            dq[:, :, :, i0:i1] += (ds @ k[:, :, j0:j1]).unflatten(2, (group, -1))  # eq. 15.4
+            dk[:, :, j0:j1] += ds.transpose(-2, -1) @ q_tile  # eq. 15.4, q_tile holds the scale
     dq, dk = dq.mul_(scale).flatten(1, 2), dk.div_(LOG2_E)  # [B, Hq, T, D], [B, Hkv, S, D]
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
@@ -131,10 +131,10 @@ class _TiledAttention(torch.autograd.Function):
 def tiled_attention(
     q, k, v, query_positions=None, key_positions=None, allowed=None, scale=None, block_size=256
 ) -> torch.Tensor:
-    """`causal_attention` (eq. 3.2 with 3.13, 3.14) by online softmax over key blocks (3.15-3.16).
+    """`causal_attention` (eq. 2.2 with 7.1, 9.1) by online softmax over key blocks (14.1-14.2).
 
     q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> [B, Hq, T, Dv] in q's dtype, with
-    `causal_attention`'s arguments; block_size x block_size tiles; differentiable (3.18-3.22).
+    `causal_attention`'s arguments; block_size x block_size tiles; differentiable (15.1-15.5).
     """
     prepared = prepare(q, k, v, query_positions, key_positions, allowed, scale)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:

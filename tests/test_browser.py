@@ -38,9 +38,9 @@ ARGS = [
 SLIDER_PAGES = {  # pages and the sliders each must show
     "notebooks/03_scaling": 1,
     "notebooks/05_causal_masking": 1,
-    "notebooks/09_rotary_positions": 1,
-    "notebooks/12_cost": 1,
-    "notebooks/14_induction_heads": 1,
+    "notebooks/08_rotary_positions": 1,
+    "notebooks/13_cost": 1,
+    "notebooks/16_induction_heads": 1,
 }
 TOGGLE_PAGES = {"notebooks/05_causal_masking": 1}  # toggle-button groups needed
 RAW_TEX = re.compile(r"\$\$|\\\(|\\\)|\\\[|\\\]|\\begin\{|\\frac\{|\\sqrt\{")

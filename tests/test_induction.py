@@ -1,7 +1,7 @@
-"""Chapter 14's lab (attnlib.lab.induction): the copy task, the model, its training, its probes.
+"""Chapter 16's lab (attnlib.lab.induction): the copy task, the model, its training, its probes.
 
-The references are independent: explicit loops for the task and for the head scores of eq. 3.30,
-a float64 head-by-head recomputation of eq. 3.29 through the brute-force attention of
+The references are independent: explicit loops for the task and for the head scores of eq. 16.2,
+a float64 head-by-head recomputation of eq. 16.1 through the brute-force attention of
 tests/references.py, and PyTorch's SDPA for training. The learned claims are checked on a tiny
 configuration, and the chapter's thresholds on models trained from seeds other than its own.
 """
@@ -51,7 +51,7 @@ def test_sinusoidal_positions_match_their_formula():
 
 
 def reference_logits(model, tokens):
-    """Eq. 3.29 in float64, head by head, with the brute-force attention of tests/references."""
+    """Eq. 16.1 in float64, head by head, with the brute-force attention of tests/references."""
     w = {name: p.detach().double() for name, p in model.named_parameters()}
     x = w["embed.weight"][tokens]  # [B, T, d]
     where = model.positions.double()[: tokens.shape[1]]
@@ -62,12 +62,12 @@ def reference_logits(model, tokens):
         w_v, w_o = w[f"value.{layer}.weight"], w[f"out.{layer}.weight"]
         outputs = []
         for h in range(heads):
-            block = slice(h * size, (h + 1) * size)  # head h owns these features (eq. 3.11)
+            block = slice(h * size, (h + 1) * size)  # head h owns these features (eq. 6.1)
             q = ((x + where) @ w_q[block].T)[:, None]  # [B, 1, T, Dh]
             k = ((x + where) @ w_k[block].T)[:, None]
             v = (x @ w_v[block].T)[:, None]
             outputs.append(brute_force(q, k, v, positions, positions)[:, 0])  # [B, T, Dh]
-        x = x + torch.cat(outputs, -1) @ w_o.T  # eq. 3.12, then the residual add
+        x = x + torch.cat(outputs, -1) @ w_o.T  # eq. 6.2, then the residual add
     return x @ w["unembed.weight"].T  # [B, T, V]
 
 
@@ -165,7 +165,7 @@ def test_untrained_models_fail_the_learned_claims():
 
 @pytest.mark.parametrize("seed", OTHER_SEEDS)
 def test_the_chapter_thresholds_hold_for_other_seeds(seed):
-    """Chapter 14's claims (induction.Thresholds), for models trained as in the chapter."""
+    """Chapter 16's claims (induction.Thresholds), for models trained as in the chapter."""
     setup = Setup()
     two = induction.make_model(seed, setup)
     induction.train(two, setup, seed=100 + seed)

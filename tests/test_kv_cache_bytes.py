@@ -1,7 +1,7 @@
-"""The KV-cache formulas of chapter 7 against what PyTorch measures.
+"""The KV-cache formulas of chapter 9 against what PyTorch measures.
 
-Eq. 3.23 against the allocator's count for a real attnlib.KVCache filled for every layer;
-eq. 3.24 against torch's own FLOP counter running a real decoding step.
+Eq. 10.1 against the allocator's count for a real attnlib.KVCache filled for every layer;
+eq. 10.2 against torch's own FLOP counter running a real decoding step.
 """
 
 import pytest

@@ -143,7 +143,7 @@ def test_a_second_build_loads_the_cached_library(language, tmp_path, monkeypatch
 
 
 def test_other_flags_build_a_second_library_with_the_same_numbers(tmp_path, monkeypatch):
-    """-O3 vectorises the weighted sum (chapter 10) without reordering a sum: same bits."""
+    """-O3 vectorises the weighted sum (chapter 11) without reordering a sum: same bits."""
     need("cpp")
     monkeypatch.setenv("ATTNLIB_CACHE", str(tmp_path))
     native.build.cache_clear()

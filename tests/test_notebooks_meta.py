@@ -225,12 +225,12 @@ def test_an_equation_number_names_one_formula_everywhere():
 
 
 def test_the_equation_check_catches_a_number_reused_for_another_formula():
-    home = "$$\nA = \\operatorname{softmax}(S) \\tag{3.6}\n$$"
-    restated = "$$ A = \\operatorname{softmax}( S ) \\tag{3.6} $$."
-    other = "\\begin{align}\nB &= C \\tag{3.7} \\\\\n"
-    other += "A &= \\operatorname{softmax}(S + M) \\tag{3.6}\n\\end{align}"
+    home = "$$\nA = \\operatorname{softmax}(S) \\tag{4.1}\n$$"
+    restated = "$$ A = \\operatorname{softmax}( S ) \\tag{4.1} $$."
+    other = "\\begin{align}\nB &= C \\tag{4.2} \\\\\n"
+    other += "A &= \\operatorname{softmax}(S + M) \\tag{4.1}\n\\end{align}"
     assert tagged_formulas(home) == [("3.6", "A=\\operatorname{softmax}(S)")]
-    cases = "$$ m = \\begin{cases} 0 & a \\\\ 1 & b \\end{cases} \\tag{3.9} $$"
+    cases = "$$ m = \\begin{cases} 0 & a \\\\ 1 & b \\end{cases} \\tag{4.4} $$"
     assert tagged_formulas(cases) == [("3.9", "m=\\begin{cases}0a\\\\1b\\end{cases}")]
     assert reused_tags(home + restated) == {}
     assert reused_tags(home + other) == {

@@ -1,4 +1,4 @@
-"""The Qwen3 lab: the manual pass (eqs. 3.1-3.12, 3.17) against a transformers Qwen3Attention."""
+"""The Qwen3 lab: the manual pass (eqs. 2.1-6.2, 8.4) against a transformers Qwen3Attention."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""attnlib.rope (eqs. 3.17, 3.26-3.28) against float64 pair rotations and Hugging Face's RoPE."""
+"""attnlib.rope (eqs. 8.4, 8.2-8.5) against float64 pair rotations and Hugging Face's RoPE."""
 
 import math
 
@@ -43,7 +43,7 @@ def test_rope_is_a_rotation_of_feature_pairs():
 
 
 def float64_cos_sin(positions, freqs: torch.Tensor):
-    """cos and sin of eq. 3.17 for frequencies [D/2], with the angles taken in float64: [T, D]."""
+    """cos and sin of eq. 8.4 for frequencies [D/2], with the angles taken in float64: [T, D]."""
     angles = torch.tensor(positions, dtype=torch.float64)[:, None] * freqs.double()
     angles = torch.cat((angles, angles), dim=-1)  # [T, D]
     return angles.cos(), angles.sin()
@@ -59,7 +59,7 @@ def float64_cos_sin(positions, freqs: torch.Tensor):
     seed=st.integers(0, 2**31 - 1),
 )
 def test_scores_depend_only_on_the_offset(i, j, shift, half_dim, theta, seed):
-    """Eq. 3.26: q_i . k_j after RoPE is q . R((j - i) theta_m) k, whatever i and j are."""
+    """Eq. 8.2: q_i . k_j after RoPE is q . R((j - i) theta_m) k, whatever i and j are."""
     dim = 2 * half_dim
     gen = torch.Generator().manual_seed(seed)
     q, k = torch.randn(2, 1, 1, 1, dim, dtype=torch.float64, generator=gen).unbind(0)
@@ -91,7 +91,7 @@ def test_scores_depend_only_on_the_offset(i, j, shift, half_dim, theta, seed):
 
 
 def test_rotate_half_layout_is_the_papers_interleaved_layout_permuted():
-    """Eq. 3.28: with perm taking feature 2m -> m and 2m + 1 -> m + D/2, rope_half(x[perm]) equals
+    """Eq. 8.5: with perm taking feature 2m -> m and 2m + 1 -> m + D/2, rope_half(x[perm]) equals
     rope_interleaved(x)[perm]; the scores are the same in either layout."""
     dim, positions, theta = 12, [0, 3, 41, 1000], 500.0
     gen = torch.Generator().manual_seed(5)

@@ -1,4 +1,4 @@
-"""The stretch exercises of chapter 15, as tests against independent references."""
+"""The stretch exercises of chapter 17, as tests against independent references."""
 
 import pytest
 import torch

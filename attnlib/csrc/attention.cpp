@@ -1,5 +1,5 @@
 // Causal attention as explicit loops over flat float32 arrays
-// (eqs. 3.2, 3.6, 3.13, 3.14). One sequence, no batch axis, rows laid out
+// (eqs. 2.2, 4.1, 7.1, 9.1). One sequence, no batch axis, rows laid out
 // as in attnlib/loops.py:
 //   q [T][Hq*D], k [S][Hkv*D], v [S][Hkv*Dv] -> out [T][Hq*Dv]
 //   query_positions [T], key_positions [S]
@@ -19,18 +19,18 @@ extern "C" void attention(const float* q, const float* k, const float* v,
     std::vector<float> weights(S);  // [S]: one row of scores, then weights
     for (int64_t i = 0; i < T; ++i) {
         for (int64_t h = 0; h < q_heads; ++h) {
-            const int64_t kv = h / group;                    // eq. 3.14
+            const int64_t kv = h / group;                    // eq. 9.1
             const float* query = q + (i * q_heads + h) * D;  // [D]
             float* row = out + (i * q_heads + h) * Dv;       // [Dv]
             for (int64_t e = 0; e < Dv; ++e) row[e] = 0.0f;
             float top = -INFINITY;
             int64_t seen = 0;
             for (int64_t j = 0; j < S; ++j) {
-                if (key_positions[j] > query_positions[i]) continue;  // 3.13
+                if (key_positions[j] > query_positions[i]) continue;  // 7.1
                 const float* key = k + (j * kv_heads + kv) * D;  // [D]
                 float dot = 0.0f;
                 for (int64_t e = 0; e < D; ++e) dot += query[e] * key[e];
-                weights[j] = dot * scale;  // eq. 3.5
+                weights[j] = dot * scale;  // eq. 3.3
                 top = std::fmax(top, weights[j]);
                 ++seen;
             }
@@ -38,14 +38,14 @@ extern "C" void attention(const float* q, const float* k, const float* v,
             float total = 0.0f;
             for (int64_t j = 0; j < S; ++j) {
                 if (key_positions[j] > query_positions[i]) continue;
-                weights[j] = std::exp(weights[j] - top);  // eq. 3.6, stable
+                weights[j] = std::exp(weights[j] - top);  // eq. 4.1, stable
                 total += weights[j];
             }
             for (int64_t j = 0; j < S; ++j) {
                 if (key_positions[j] > query_positions[i]) continue;
                 const float* value = v + (j * kv_heads + kv) * Dv;  // [Dv]
                 const float weight = weights[j] / total;
-                // eq. 3.2: the weighted sum of the values
+                // eq. 2.2: the weighted sum of the values
                 for (int64_t e = 0; e < Dv; ++e) row[e] += weight * value[e];
             }
         }

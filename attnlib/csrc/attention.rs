@@ -1,5 +1,5 @@
 //! Causal attention as explicit loops over flat float32 arrays
-//! (eqs. 3.2, 3.6, 3.13, 3.14). One sequence, no batch axis, rows laid out
+//! (eqs. 2.2, 4.1, 7.1, 9.1). One sequence, no batch axis, rows laid out
 //! as in attnlib/loops.py:
 //!   q [T][Hq*D], k [S][Hkv*D], v [S][Hkv*Dv] -> out [T][Hq*Dv]
 //!   query_positions [T], key_positions [S]
@@ -23,9 +23,9 @@ pub unsafe extern "C" fn attention(
     let out = from_raw_parts_mut(out, t * hq * dv); // [T][Hq*Dv]
     let mut weights = vec![0.0f32; s]; // [S]: one row of scores, then weights
     for i in 0..t {
-        let sees = |j: usize| key_positions[j] <= query_positions[i]; // 3.13
+        let sees = |j: usize| key_positions[j] <= query_positions[i]; // 7.1
         for h in 0..hq {
-            let kv = h / (hq / hkv); // eq. 3.14
+            let kv = h / (hq / hkv); // eq. 9.1
             let query = &q[(i * hq + h) * d..][..d]; // [D]
             let row = &mut out[(i * hq + h) * dv..][..dv]; // [Dv]
             row.iter_mut().for_each(|x| *x = 0.0);
@@ -33,7 +33,7 @@ pub unsafe extern "C" fn attention(
             for j in (0..s).filter(|&j| sees(j)) {
                 let key = &k[(j * hkv + kv) * d..][..d]; // [D]
                 let dot: f32 = query.iter().zip(key).map(|(a, b)| a * b).sum();
-                weights[j] = dot * scale; // eq. 3.5
+                weights[j] = dot * scale; // eq. 3.3
                 top = top.max(weights[j]);
                 seen = true;
             }
@@ -42,14 +42,14 @@ pub unsafe extern "C" fn attention(
             }
             let mut total = 0.0f32;
             for j in (0..s).filter(|&j| sees(j)) {
-                weights[j] = (weights[j] - top).exp(); // eq. 3.6, stable
+                weights[j] = (weights[j] - top).exp(); // eq. 4.1, stable
                 total += weights[j];
             }
             for j in (0..s).filter(|&j| sees(j)) {
                 let value = &v[(j * hkv + kv) * dv..][..dv]; // [Dv]
                 let weight = weights[j] / total;
                 for (o, x) in row.iter_mut().zip(value) {
-                    *o += weight * x; // eq. 3.2: the weighted sum of the values
+                    *o += weight * x; // eq. 2.2: the weighted sum of the values
                 }
             }
         }

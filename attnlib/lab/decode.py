@@ -1,4 +1,4 @@
-"""Decoding from a KV cache: the cache's bytes (eq. 3.23) and its FLOPs per byte (eq. 3.24).
+"""Decoding from a KV cache: the cache's bytes (eq. 10.1) and its FLOPs per byte (eq. 10.2).
 
 Both are counted from the shapes alone, like attnlib.cost. Each layer's cache holds keys and
 values [B, Hkv, S, Dh]; a decoding step runs T = 1 query per query head against all S of them.
@@ -17,7 +17,7 @@ def kv_cache_bytes(
     dtype: torch.dtype = torch.bfloat16,
     batch: int = 1,
 ) -> int:
-    """Bytes of a KV cache, eq. 3.23: 2 (K and V) * B * layers * Hkv * S * Dh * itemsize.
+    """Bytes of a KV cache, eq. 10.1: 2 (K and V) * B * layers * Hkv * S * Dh * itemsize.
 
     Keys and values are [B, Hkv, S, Dh] in every layer; positions and other bookkeeping are left
     out.
@@ -37,7 +37,7 @@ def kv_intensity(
     kv_heads: int,
     dtype: torch.dtype = torch.bfloat16,
 ) -> float:
-    """FLOPs per byte of K and V read, eq. 3.24, when T queries [B, Hq, T, D] see all S keys.
+    """FLOPs per byte of K and V read, eq. 10.2, when T queries [B, Hq, T, D] see all S keys.
 
     attention_flops over kv_cache_bytes: 4*T*S*D*Hq / (2*S*D*Hkv*itemsize) = (2T/itemsize)(Hq/Hkv).
     """

@@ -1,4 +1,4 @@
-"""The positions rule (eq. 3.13) handed to PyTorch's FlexAttention as a `mask_mod`.
+"""The positions rule (eq. 7.1) handed to PyTorch's FlexAttention as a `mask_mod`.
 
 FlexAttention (`torch.nn.attention.flex_attention`) runs one fused kernel and skips every tile
 that its block mask marks empty. The block mask is built once from a `mask_mod(b, h, i, j)`,
@@ -20,7 +20,7 @@ from ..masks import check_window
 
 
 def positions_mask_mod(query_positions, key_positions, window):
-    """Eq. 3.13 as a FlexAttention mask_mod: may query i of row b see key j of that row?
+    """Eq. 7.1 as a FlexAttention mask_mod: may query i of row b see key j of that row?
 
     Positions [B, T] and [B, S]; a slot with a negative position is a pad (`left_padding`
     numbers pads so) and is never seen; `window` is a 0-d tensor (pos(q) - pos(k) < window).
@@ -43,7 +43,7 @@ def _window(window, query_positions, key_positions) -> torch.Tensor:
 
 
 def positions_block_mask(query_positions, key_positions, window=None, block_size=128):
-    """FlexAttention's BlockMask for eq. 3.13 (pads and a window too), positions [B, T], [B, S].
+    """FlexAttention's BlockMask for eq. 7.1 (pads and a window too), positions [B, T], [B, S].
 
     It lists, per block of `block_size` queries, the key blocks to compute, partial or full.
     """
@@ -98,7 +98,7 @@ def _check_can_run(q, k, v) -> None:
 def flex_causal_attention(
     q, k, v, query_positions=None, key_positions=None, window=None, scale=None
 ):
-    """`causal_attention` (eq. 3.2 with 3.13 and GQA, 3.14) through compiled FlexAttention.
+    """`causal_attention` (eq. 2.2 with 7.1 and GQA, 9.1) through compiled FlexAttention.
 
     q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> [B, Hq, T, Dv]; defaults as there.
     Pads: negative positions (as `left_padding` gives), never read; window: keys pos(q)-pos(k) < w.

@@ -1,4 +1,4 @@
-"""The Qwen3 lab: the book's attention, eqs. 3.1-3.12 and 3.17, against a real Hugging Face layer.
+"""The Qwen3 lab: the book's attention, eqs. 2.1-6.2 and 8.4, against a real Hugging Face layer.
 
 It builds a transformers `Qwen3Attention` with Qwen3-0.6B's attention geometry and seeded random
 weights (or takes a layer of a real checkpoint, attnlib.lab.checkpoint), runs the manual pass
@@ -80,7 +80,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _project(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-    """x W^T (+ b): eq. 3.1 with the layer's own weight [out, in]."""
+    """x W^T (+ b): eq. 2.1 with the layer's own weight [out, in]."""
     y = x @ linear.weight.T
     return y if linear.bias is None else y + linear.bias
 
@@ -88,8 +88,8 @@ def _project(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
 def manual_attention(layer: Qwen3Attention, x: torch.Tensor, rope: bool = True) -> torch.Tensor:
     """The book's pass with `layer`'s weights: x [B, T, d_model] at positions 0..T-1 -> same shape.
 
-    Eq. 3.1 projections, per-head RMSNorm, RoPE (eq. 3.17; skipped when rope=False), causal GQA
-    attention (eqs. 3.2, 3.10, 3.13, 3.14) and the output projection W_O (eq. 3.12).
+    Eq. 2.1 projections, per-head RMSNorm, RoPE (eq. 8.4; skipped when rope=False), causal GQA
+    attention (eqs. 2.2, 5.1, 7.1, 9.1) and the output projection W_O (eq. 6.2).
     """
     config = layer.config
     batch, tokens, _ = x.shape
@@ -105,14 +105,14 @@ def manual_attention(layer: Qwen3Attention, x: torch.Tensor, rope: bool = True) 
     positions = torch.arange(tokens, device=x.device)  # [T]
     if rope:
         cos, sin = rope_cos_sin(positions, head_dim, rope_theta(config))  # [T, D] each
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # eq. 3.17
-    # Causal GQA attention, eqs. 3.2, 3.10, 3.13, 3.14: [B, Hq, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # eq. 8.4
+    # Causal GQA attention, eqs. 2.2, 5.1, 7.1, 9.1: [B, Hq, T, D]
     y = causal_attention(q, k, v, query_positions=positions, key_positions=positions)
-    return _project(merge_heads(y), layer.o_proj)  # [B, T, d_model], eq. 3.12
+    return _project(merge_heads(y), layer.o_proj)  # [B, T, d_model], eq. 6.2
 
 
 def causal_mask(batch: int, queries: int, keys: int, dtype, device=None) -> torch.Tensor:
-    """The additive mask M of eq. 3.10, bottom-right aligned: [B, 1, T, S], 0 or -inf.
+    """The additive mask M of eq. 5.1, bottom-right aligned: [B, 1, T, S], 0 or -inf.
 
     The T queries are the last T of the S keys (positions S-T..S-1), as after a cache.
     An additive float mask is what both implementations accept: eager adds the mask to the
@@ -120,7 +120,7 @@ def causal_mask(batch: int, queries: int, keys: int, dtype, device=None) -> torc
     """
     query_positions = torch.arange(keys - queries, keys, device=device).expand(batch, queries)
     key_positions = torch.arange(keys, device=device).expand(batch, keys)
-    allowed = visible(query_positions, key_positions)  # [B, 1, T, S], eq. 3.13
+    allowed = visible(query_positions, key_positions)  # [B, 1, T, S], eq. 7.1
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, -math.inf)
 
 
