@@ -30,7 +30,7 @@ BOOK_INPUTS := _config.yml _toc.yml $(wildcard book/*.md book/css/* notebooks/*.
 COLAB_VENV := .venv-colab
 COLAB_STAMP := $(COLAB_VENV)/.installed
 
-.PHONY: setup assets book test test-colab lint lab clean
+.PHONY: setup assets book test test-colab lint lab clean execute
 
 setup: $(STAMP)
 
@@ -96,6 +96,14 @@ test-colab: $(COLAB_STAMP)
 	  echo "$$notebook"; \
 	  PATH="$(CURDIR)/$(COLAB_VENV)/bin:$$PATH" $(COLAB_VENV)/bin/jupyter-execute \
 	    --timeout=300 "$$notebook" 2>&1 | { grep -v "^\[NbClientApp\]" || true; }; \
+	done
+
+# Re-execute chapters in place, storing their outputs (make execute NB="notebooks/05_*.ipynb").
+execute: $(STAMP)
+	for notebook in $(NB); do \
+	  echo "$$notebook"; \
+	  PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/jupyter-execute --inplace --timeout=600 \
+	    "$$notebook" 2>&1 | { grep -v "^\[NbClientApp\]" || true; }; \
 	done
 
 lab: $(STAMP)
