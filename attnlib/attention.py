@@ -1,4 +1,4 @@
-"""Scaled dot-product attention under the positions rule (eqs. 2.2, 2.1, 5.1, 7.1, 9.1).
+"""Scaled dot-product attention under the positions rule (eqs. 2.2, 3.3, 5.1, 7.1, 9.1).
 
 Shapes are written [B, H, T, D]: batch, heads, tokens (T queries, S keys), features.
 `prepare` is the preamble every attention function shares: checks, positions, mask, scale.
@@ -40,7 +40,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def check_scale(scale, dim: int) -> float:
-    """The scale of eq. 2.1: 1/sqrt(D) by default, else a finite positive number."""
+    """The scale of eq. 3.3: 1/sqrt(D) by default, else a finite positive number."""
     if scale is None:
         return 1.0 / math.sqrt(dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):

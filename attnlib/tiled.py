@@ -52,7 +52,7 @@ def _tiles(prepared: Prepared, block: int):
 
 
 def _scores(q_tile: torch.Tensor, k_tile: torch.Tensor, mask) -> torch.Tensor:
-    """One tile of scores (eq. 2.1), [B, Hkv, g*t, s], -inf where the mask hides the key (5.1)."""
+    """One tile of scores (eq. 3.3), [B, Hkv, g*t, s], -inf where the mask hides the key (5.1)."""
     scores = q_tile @ k_tile.transpose(-2, -1)  # [B, Hkv, g*t, s]
     if mask is not None:  # mask [B|1, Hq|1, t, s]: split its heads as Hkv x g, like the scores
         heads = (-1, scores.shape[2] // mask.shape[2] if mask.shape[1] > 1 else 1)

@@ -51,7 +51,7 @@ IGNORED_TAGS = {"nbval-ignore-output", "nbval-skip"}
 
 _LIST = r"(?:\s*(?:,|and|or|to|-|–|—)\s*\(?\d+(?:\.\d+)*\)?)*"
 EXEMPT = [
-    re.compile(r"\(3\.\d{1,2}(?:\s*(?:,|and|-|–)\s*3\.\d{1,2})*\)"),  # (2.2), (2.2, 2.1)
+    re.compile(r"\(3\.\d{1,2}(?:\s*(?:,|and|-|–)\s*3\.\d{1,2})*\)"),  # (2.2), (2.2, 3.3)
     re.compile(r"\b(?:eqs?\.|equations?)\s*\(?\d+(?:\.\d+)*\)?" + _LIST, re.I),
     re.compile(
         r"(?:\b(?:chapters?|parts?|sections?|steps?|exercises?|questions?|errat(?:um|a)|cells?"
