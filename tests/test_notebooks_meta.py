@@ -141,33 +141,94 @@ def test_every_ignored_output_says_why(path):
             assert has_reason, f"cell {number}: say why on the line after {IGNORE}"
 
 
+EQ = r"\d{1,2}\.\d{1,2}"
+
+
+def chapter(path) -> int:
+    """A notebook's chapter number, from its file name (`07_positions.ipynb` -> 7)."""
+    return int(path.stem.split("_")[0])
+
+
 def _equation_numbers(text: str) -> set:
-    """Every 3.N cited as `eq. 3.N`, `eqs. 3.N-3.M` (both ends), `(3.N)` or `\\tag{3.N}`."""
-    found = set(re.findall(r"\\tag\{(3\.\d+)\}|\((3\.\d+)\)", text))
+    """Every N.k cited as `eq. N.k`, `eqs. N.k-N.m` (both ends), `(N.k)` or `\\tag{N.k}`."""
+    found = set(re.findall(rf"\\tag\{{({EQ})\}}|\(({EQ})\)", text))
     found = {a or b for a, b in found}
-    for first, last in re.findall(r"eqs?\.\s*\(?(3\.\d+)\)?(?:\s*[-–]\s*\(?(3\.\d+))?", text):
+    for first, last in re.findall(rf"eqs?\.\s*\(?({EQ})\)?(?:\s*[-–]\s*\(?({EQ}))?", text, re.I):
         found |= {first, last} - {""}
     return found
 
 
-def test_equation_numbers_agree_across_chapters_notation_page_and_package():
-    """Chapters number their displays with \\tag{3.N}; notation.md lists exactly those numbers;
-    and every number the package or a chapter cites is one of them."""
-    markdown = "".join(
-        source(c) for p in NOTEBOOKS for c in cells(p) if c["cell_type"] == "markdown"
+def _key(number: str) -> tuple:
+    return tuple(int(part) for part in number.split("."))
+
+
+def equation_problems(chapters: dict) -> list:
+    """What breaks the book's numbering, for {chapter number: its Markdown, in reading order}.
+
+    Chapter N tags its equations N.1, N.2, ... in reading order (a restated tag repeats an
+    earlier number); every number a chapter cites is tagged in that chapter or an earlier one.
+    """
+    problems, defined = [], {}
+    for number, markdown in sorted(chapters.items()):
+        first_seen = []
+        for tag in re.findall(rf"\\tag\{{({EQ})\}}", markdown):
+            if _key(tag)[0] != number:
+                problems.append(f"chapter {number} tags ({tag}): its tags must be {number}.k")
+            elif tag not in first_seen and tag not in defined:
+                first_seen.append(tag)
+        expected = [f"{number}.{k}" for k in range(1, len(first_seen) + 1)]
+        if first_seen != expected:
+            problems.append(f"chapter {number} tags {first_seen} in reading order, not {expected}")
+        defined.update({tag: number for tag in first_seen})
+        for cited in sorted(_equation_numbers(markdown), key=_key):
+            if cited not in defined:
+                problems.append(f"chapter {number} cites ({cited}), which no chapter up to it tags")
+    return problems
+
+
+def chapter_markdown() -> dict:
+    return {
+        chapter(p): "\n".join(source(c) for c in cells(p) if c["cell_type"] == "markdown")
+        for p in NOTEBOOKS
+    }
+
+
+def test_equations_are_numbered_by_chapter_in_reading_order():
+    problems = equation_problems(chapter_markdown())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_numbering_check_catches_a_wrong_chapter_a_gap_and_a_forward_citation():
+    good = {1: "No equations; chapter 2 will derive them.", 2: "$$a \\tag{2.1}$$ $$b \\tag{2.2}$$"}
+    assert equation_problems(good) == []
+    assert equation_problems({**good, 1: "As eq. (2.1) will show."}) == [
+        "chapter 1 cites (2.1), which no chapter up to it tags"
+    ]
+    assert equation_problems({2: "$$a \\tag{2.2}$$ $$b \\tag{2.1}$$"}) == [
+        "chapter 2 tags ['2.2', '2.1'] in reading order, not ['2.1', '2.2']"
+    ]
+    assert equation_problems({3: "$$a \\tag{3.1}$$ $$b \\tag{2.2}$$"})[0] == (
+        "chapter 3 tags (2.2): its tags must be 3.k"
     )
-    tagged = set(re.findall(r"\\tag\{(3\.\d+)\}", markdown))
-    numbers = sorted(tagged, key=lambda n: int(n.split(".")[1]))
-    assert numbers == [f"3.{n}" for n in range(1, len(numbers) + 1)], numbers  # no gap
+    assert equation_problems({2: "$$a \\tag{2.1}$$ $$c \\tag{2.3}$$"}) == [
+        "chapter 2 tags ['2.1', '2.3'] in reading order, not ['2.1', '2.2']"
+    ]
+
+
+def test_the_notation_page_and_the_package_agree_with_the_chapters():
+    """notation.md lists exactly the tagged numbers, by chapter; the package cites only those."""
+    markdown = "".join(chapter_markdown().values())
+    tagged = set(re.findall(rf"\\tag\{{({EQ})\}}", markdown))
     notation = (ROOT / "book" / "notation.md").read_text()
-    assert set(re.findall(r"^\| (3\.\d+) \|", notation, re.MULTILINE)) == tagged
+    listed = re.findall(rf"^\| ({EQ}) \|", notation, re.MULTILINE)
+    assert set(listed) == tagged, (set(listed) ^ tagged)
+    assert listed == sorted(listed, key=_key), "notation.md lists the equations in book order"
     package = "".join(p.read_text() for p in (ROOT / "attnlib").rglob("*.py"))
     assert _equation_numbers(package) <= tagged, _equation_numbers(package) - tagged
-    assert _equation_numbers(markdown) <= tagged, _equation_numbers(markdown) - tagged
 
 
 DISPLAY = re.compile(r"\$\$(.+?)\$\$|\\begin\{(\w+\*?)\}(.+?)\\end\{\2\}", re.S)
-TAG = re.compile(r"\\tag\{(3\.\d+)\}")
+TAG = re.compile(r"\\tag\{(\d{1,2}\.\d+)\}")
 
 
 def display_lines(body: str) -> list:
@@ -183,7 +244,7 @@ def display_lines(body: str) -> list:
 
 
 def tagged_formulas(markdown: str) -> list:
-    """(number, formula) for every \\tag{3.N} in display math; the formula is the display's line
+    """(number, formula) for every \\tag{N.k} in display math; the formula is the display's line
     that holds the tag, without spacing, alignment and end punctuation."""
     found = []
     for match in DISPLAY.finditer(markdown):
@@ -196,7 +257,7 @@ def tagged_formulas(markdown: str) -> list:
 
 
 def reused_tags(markdown: str) -> dict:
-    """Each 3.N that tags two different formulas, with the formulas."""
+    """Each N.k that tags two different formulas, with the formulas."""
     formulas = {}
     for number, formula in tagged_formulas(markdown):
         formulas.setdefault(number, set()).add(formula)
@@ -205,7 +266,7 @@ def reused_tags(markdown: str) -> dict:
 
 def test_an_equation_number_names_one_formula_everywhere():
     """A chapter may restate an equation under its number, but never tag another formula
-    with it (cite it as eq. (3.N) instead)."""
+    with it (cite it as eq. (N.k) instead)."""
     found = {}
     for path in NOTEBOOKS:
         for cell in cells(path):
@@ -220,7 +281,7 @@ def test_an_equation_number_names_one_formula_everywhere():
     )
     assert not reused, (
         "one equation number tags several formulas; restate it exactly, or cite it as "
-        f"eq. (3.N) without a tag:\n{report}"
+        f"eq. (N.k) without a tag:\n{report}"
     )
 
 
@@ -229,10 +290,103 @@ def test_the_equation_check_catches_a_number_reused_for_another_formula():
     restated = "$$ A = \\operatorname{softmax}( S ) \\tag{4.1} $$."
     other = "\\begin{align}\nB &= C \\tag{4.2} \\\\\n"
     other += "A &= \\operatorname{softmax}(S + M) \\tag{4.1}\n\\end{align}"
-    assert tagged_formulas(home) == [("3.6", "A=\\operatorname{softmax}(S)")]
+    assert tagged_formulas(home) == [("4.1", "A=\\operatorname{softmax}(S)")]
     cases = "$$ m = \\begin{cases} 0 & a \\\\ 1 & b \\end{cases} \\tag{4.4} $$"
-    assert tagged_formulas(cases) == [("3.9", "m=\\begin{cases}0a\\\\1b\\end{cases}")]
+    assert tagged_formulas(cases) == [("4.4", "m=\\begin{cases}0a\\\\1b\\end{cases}")]
     assert reused_tags(home + restated) == {}
     assert reused_tags(home + other) == {
-        "3.6": ["A=\\operatorname{softmax}(S)", "A=\\operatorname{softmax}(S+M)"]
+        "4.1": ["A=\\operatorname{softmax}(S)", "A=\\operatorname{softmax}(S+M)"]
     }
+
+
+# The page shows the idea; checks are folded beneath it (a cell tagged hide-input shows only a
+# "show code" toggle) or removed from the page.
+FOLDED = {"hide-input", "hide-cell", "remove-input", "remove-cell"}
+MAX_VISIBLE_LINES = 25
+
+
+def long_visible_cells(notebook_cells) -> list:
+    """(cell index, lines) of every code cell the page shows in full that is over the budget."""
+    return [
+        (index, len(source(cell).splitlines()))
+        for index, cell in enumerate(notebook_cells)
+        if cell["cell_type"] == "code"
+        and not FOLDED & set(cell.get("metadata", {}).get("tags", []))
+        and len(source(cell).splitlines()) > MAX_VISIBLE_LINES
+    ]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=notebook_id)
+def test_no_visible_code_cell_is_over_25_lines(path):
+    found = long_visible_cells(cells(path))
+    assert not found, (
+        f"visible code cells over {MAX_VISIBLE_LINES} lines (cell, lines): {found}; keep the idea "
+        "on the page and fold the checks into a cell tagged hide-input below it"
+    )
+
+
+def test_the_budget_check_catches_a_long_visible_cell_and_spares_a_folded_one():
+    long = {"cell_type": "code", "metadata": {}, "source": "x = 1\n" * 26}
+    short = {"cell_type": "code", "metadata": {}, "source": "x = 1\n" * 25}
+    folded = {"cell_type": "code", "metadata": {"tags": ["hide-input"]}, "source": long["source"]}
+    assert long_visible_cells([short, long, folded]) == [(1, 26)]
+
+
+# Words for the book's machinery, which a reader of a chapter never needs.
+MACHINERY = [
+    (re.compile(r"\bnbval\b", re.I), "nbval"),
+    (re.compile(r"\bNBVAL_\w+"), "an nbval marker"),
+    (re.compile(r"\bCI\b"), "CI"),
+    (re.compile(r"\btest[-\s]suite\b|\bunit[- ]tests?\b|\bpytest\b", re.I), "the tests"),
+    (re.compile(r"\bhypothesis\b", re.I), "hypothesis"),
+    (re.compile(r"\btests?/\w|\btest_\w+", re.I), "a test file"),
+    (re.compile(r"\bexit (?:code|status)\b", re.I), "an exit code"),
+    (re.compile(r"<(?!span class=\"given\">|/span>)/?[a-z][a-z0-9]*\b[^>]*>|&lt;\w", re.I), "HTML"),
+    (re.compile(r"`[^`]*<[a-z/][^`]*`", re.I), "HTML"),
+    (re.compile(r"\bthe (?:seed|source text|source chapters?|draft)s?\b", re.I), "the source"),
+    (re.compile(r"\berrat(?:a|um)\b|\bcorrections? to the source\b", re.I), "the corrections"),
+    (re.compile(r"errata\.md"), "a link to the corrections"),
+]
+
+
+def machinery_words(markdown: str) -> list:
+    """The machinery words a chapter's Markdown shows its reader (code blocks included)."""
+    return [name for pattern, name in MACHINERY if pattern.search(markdown)]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=notebook_id)
+def test_chapter_prose_speaks_to_the_reader(path):
+    found = {
+        index: machinery_words(source(cell))
+        for index, cell in enumerate(cells(path))
+        if cell["cell_type"] == "markdown" and machinery_words(source(cell))
+    }
+    assert not found, (
+        f"chapter prose names the book's machinery (cell: words): {found}; "
+        "book/setup.md tells contributors how the book is tested"
+    )
+
+
+def test_the_machinery_check_catches_planted_words_and_spares_the_given_marker():
+    assert machinery_words('It was <span class="given">0.139</span> here.') == []
+    assert machinery_words("A random seed of 0, a head count and a hypothesis-free claim.") == [
+        "hypothesis"
+    ]
+    assert machinery_words("We run the test on the function; the test can fail.") == []
+    assert machinery_words("Run under nbval, the test suite checks it in CI.") == [
+        "nbval",
+        "CI",
+        "the tests",
+    ]
+    assert machinery_words("See `tests/test_stretch.py`; it stops with exit code 2.") == [
+        "a test file",
+        "an exit code",
+    ]
+    assert machinery_words('Mark it <span class="given">.') == []
+    assert machinery_words("Write `<span class=\"given\">` around it.") == ["HTML"]
+    assert machinery_words("The source text has an erratum; see [it](../book/errata.md).") == [
+        "the source",
+        "the corrections",
+        "a link to the corrections",
+    ]
+    assert machinery_words("Attention, then a <div>.") == ["HTML"]
