@@ -221,7 +221,7 @@ def test_the_notation_page_and_the_package_agree_with_the_chapters():
     tagged = set(re.findall(rf"\\tag\{{({EQ})\}}", markdown))
     notation = (ROOT / "book" / "notation.md").read_text()
     listed = re.findall(rf"^\| ({EQ}) \|", notation, re.MULTILINE)
-    assert set(listed) == tagged, (set(listed) ^ tagged)
+    assert set(listed) == tagged, set(listed) ^ tagged
     assert listed == sorted(listed, key=_key), "notation.md lists the equations in book order"
     package = "".join(p.read_text() for p in (ROOT / "attnlib").rglob("*.py"))
     assert _equation_numbers(package) <= tagged, _equation_numbers(package) - tagged
@@ -383,7 +383,7 @@ def test_the_machinery_check_catches_planted_words_and_spares_the_given_marker()
         "an exit code",
     ]
     assert machinery_words('Mark it <span class="given">.') == []
-    assert machinery_words("Write `<span class=\"given\">` around it.") == ["HTML"]
+    assert machinery_words('Write `<span class="given">` around it.') == ["HTML"]
     assert machinery_words("The source text has an erratum; see [it](../book/errata.md).") == [
         "the source",
         "the corrections",

@@ -63,15 +63,16 @@ def names_called(code: str) -> set:
             for alias in node.names:
                 if module is None and alias.name in ENGINE_MODULES:
                     modules[alias.asname or alias.name] = alias.name
-                    found.add(canonical(None, alias.name) if alias.name in INTRODUCED else alias.name)
+                    known = alias.name in INTRODUCED
+                    found.add(canonical(None, alias.name) if known else alias.name)
                 else:
                     found.add(canonical(module, alias.name))
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
                 if parts[0] == "attnlib":
-                    modules[alias.asname or "attnlib"] = "" if not alias.asname else ".".join(
-                        parts[1:]
+                    modules[alias.asname or "attnlib"] = (
+                        "" if not alias.asname else ".".join(parts[1:])
                     )
                     if len(parts) == 2 and parts[1] in ENGINE_MODULES:
                         found.add(canonical(None, parts[1]))
@@ -110,9 +111,7 @@ def forward_uses(chapters: dict) -> list:
 
 def chapter_code(path) -> str:
     cells = json.loads(path.read_text())["cells"]
-    return "\n".join(
-        "".join(c["source"]) for c in cells if c["cell_type"] == "code"
-    )
+    return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
 
 
 def chapter_number(path) -> int:
