@@ -30,7 +30,7 @@ BOOK_INPUTS := _config.yml _toc.yml $(wildcard book/*.md book/css/* notebooks/*.
 COLAB_VENV := .venv-colab
 COLAB_STAMP := $(COLAB_VENV)/.installed
 
-.PHONY: setup assets book test test-colab lint lab clean execute
+.PHONY: setup assets book test test-colab lint lab clean execute browser
 
 setup: $(STAMP)
 
@@ -77,8 +77,36 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check attnlib tests notebooks
 	$(VENV)/bin/ruff format --check attnlib tests notebooks
 
+# The browser tests need Debian's Chromium. `make test` finds it, installs it as root on
+# Debian, or stops with the command to run; `make test BROWSER=skip` skips them, and says so.
+BROWSER ?=
+export BROWSER
+browser:
+	@if [ "$(BROWSER)" = skip ]; then \
+	  echo "BROWSER=skip: the browser tests will be skipped"; \
+	elif [ -x /usr/bin/chromium ]; then \
+	  true; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "Chromium is missing: installing Debian's chromium chromium-driver"; \
+	  apt-get update -q && apt-get install -y -q chromium chromium-driver; \
+	else \
+	  echo "Chromium is missing. Install it with:"; \
+	  echo "  sudo apt-get install chromium chromium-driver"; \
+	  echo "or run 'make test BROWSER=skip' to skip the browser tests."; \
+	  exit 1; \
+	fi
+
+# Every chapter's stored outputs must also hold where MKL picks other kernels, as on another
+# CPU: strict nbval under MKL's reproducible mode and under AVX2 kernels only.
+NOTEBOOK_VARIANTS := MKL_CBWR=COMPATIBLE MKL_ENABLE_INSTRUCTIONS=AVX2
+
 # The browser tests (tests/test_browser.py) check the built book, so the book comes first.
-test: lint book
+# pytest runs last, so that its summary closes the output.
+test: lint browser book
+	for variant in $(NOTEBOOK_VARIANTS); do \
+	  echo "nbval under $$variant"; \
+	  env $$variant $(PY) -m pytest -q --tb=short notebooks; \
+	done
 	$(PY) -m pytest
 
 $(COLAB_STAMP): constraints-colab.txt pyproject.toml
