@@ -8,9 +8,14 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -18,6 +23,10 @@ from .attention import check_scale
 
 SOURCES = {"cpp": "attention.cpp", "rust": "attention.rs"}
 COMMANDS = {"cpp": "g++ -O2 -shared -fPIC", "rust": "rustc -O --crate-type cdylib"}
+# The one permission the dot product's sum needs to be spread over vector lanes: reassociate
+# float additions (signed zeros and traps would forbid it). Unlike -ffast-math, it links no
+# start-up code that changes how the process rounds subnormal numbers.
+REORDER = "-fassociative-math -fno-signed-zeros -fno-trapping-math"
 INTEGERS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
@@ -36,9 +45,9 @@ def compiler_missing(language="cpp"):
     return name and f"{name} not found: install it (e.g. `apt-get install {name}`) and rerun"
 
 
-@functools.lru_cache(maxsize=None)
-def build(language="cpp", flags=None):
-    """Compile attnlib/csrc/attention.{cpp,rs} with `flags` (COMMANDS' by default); load it."""
+def library(language="cpp", flags=None):
+    """The path of attnlib/csrc/attention.{cpp,rs} compiled with `flags` (COMMANDS' by default),
+    compiled into the cache first if it is not there yet."""
     found, source = compiler(language), Path(__file__).parent / "csrc" / SOURCES[language]
     if found is None:
         raise RuntimeError(compiler_missing(language))
@@ -46,19 +55,39 @@ def build(language="cpp", flags=None):
     version = subprocess.run([found, "--version"], capture_output=True, check=True).stdout
     key = hashlib.sha256(source.read_bytes() + version + " ".join(flags).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("ATTNLIB_CACHE", "~/.cache/attnlib/native")).expanduser()
-    library = cache / f"attention-{language}-{key}.so"
-    if not library.exists():
+    path = cache / f"attention-{language}-{key}.so"
+    if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        partial = cache / f"{library.name}.{os.getpid()}.tmp"
+        partial = cache / f"{path.name}.{os.getpid()}.tmp"
         command = [found, *flags, str(source), "-o", str(partial)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
-        os.replace(partial, library)  # atomic: no process ever loads half a library
-    kernel = ctypes.CDLL(str(library)).attention
+        os.replace(partial, path)  # atomic: no process ever loads half a library
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def build(language="cpp", flags=None):
+    """Compile attnlib/csrc/attention.{cpp,rs} with `flags` (COMMANDS' by default); load it."""
+    kernel = ctypes.CDLL(str(library(language, flags))).attention
     p, n = ctypes.c_void_p, ctypes.c_int64  # pointer, int64
     kernel.argtypes, kernel.restype = [p, p, p, n, n, p, p, ctypes.c_float, n, n, n, n, p], None
     return kernel
+
+
+def build_seconds(language="cpp"):
+    """Seconds of a compile into an empty cache, then of a load from that cache (as a new
+    process would load it); the usual cache is left as it was."""
+    seconds = []
+    with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, ATTNLIB_CACHE=cache):
+        for _ in range(2):
+            build.cache_clear()  # forget the loaded library
+            start = time.perf_counter()
+            build(language)
+            seconds.append(time.perf_counter() - start)
+    build.cache_clear()
+    return tuple(seconds)
 
 
 def _rows(name, x, heads, layout):
@@ -109,3 +138,84 @@ def native_attention(q, k, v, q_heads, kv_heads, query_positions=None, key_posit
         kernel(*pointers[:3], q_heads, kv_heads, *pointers[3:5], scale, queries, keys, dim,
                value_dim, pointers[5])  # fmt: skip
     return out
+
+
+# What the vectorisers decided about the two innermost loops: the dot product of a query with a
+# key (eq. 3.3) and the weighted sum of the values (eq. 2.2).
+LOOPS = {"dot product": "dot += query[e] * key[e]", "weighted sum": "row[e] += weight * value[e]"}
+GCC_NOTES = {  # what g++'s -fdump-tree-vect-details writes, and a short name for it
+    "loop versioned for vectorization": "overlap checked at run time",
+    "would need a runtime alias check": "would need a run-time overlap check",
+    "using an in-order (fold-left) reduction": "sum in source order",
+    "Reduce using direct vector reduction": "sum spread over the lanes",
+    "Loop costings not worthwhile": "not worth it",
+}
+
+
+def loop_lines():
+    """{loop: its line in attention.cpp} for the two innermost loops."""
+    text = (Path(__file__).parent / "csrc" / SOURCES["cpp"]).read_text().splitlines()
+    return {
+        name: 1 + next(n for n, line in enumerate(text) if body in line)
+        for name, body in LOOPS.items()
+    }
+
+
+def gcc_loop_notes(flags):
+    """{loop: notes} from g++'s vectoriser on attention.cpp compiled with `flags`: the vector size
+    (or "scalar") first, then the reasons it gave, in GCC_NOTES' short names."""
+    source = Path(__file__).parent / "csrc" / SOURCES["cpp"]
+    with tempfile.TemporaryDirectory() as folder:
+        dump = Path(folder) / "vect.txt"
+        command = ["g++", *flags.split(), "-fPIC", "-c", str(source)]
+        command += [f"-fdump-tree-vect-details={dump}", "-o", os.devnull]
+        subprocess.run(command, check=True, capture_output=True)
+        text = dump.read_text()
+    notes = {}
+    for name, line in loop_lines().items():
+        mine = "\n".join(re.findall(rf":{line}:\d+: (.*)", text))
+        size = re.search(r"loop vectorized using (\d+) byte vectors", mine)
+        said = [f"{size.group(1)}-byte vectors" if size else "scalar"]
+        notes[name] = said + [short for note, short in GCC_NOTES.items() if note in mine]
+    return notes
+
+
+def rust_loop_notes(source=None):
+    """{loop: notes} from the LLVM IR that `rustc -O` makes of `source` (attention.rs by default).
+
+    Only the weighted sum has a weight to broadcast into a vector; `vector.memcheck` is the block
+    that tests for overlap at run time, and `vector.reduce.fadd` a sum over the lanes."""
+    if source is None:
+        source = (Path(__file__).parent / "csrc" / SOURCES["rust"]).read_text()
+    with tempfile.TemporaryDirectory() as folder:
+        code, ir = Path(folder) / "attention.rs", Path(folder) / "attention.ll"
+        code.write_text(source)
+        command = [compiler("rust"), "-O", "--crate-type", "cdylib", "--emit", "llvm-ir"]
+        subprocess.run([*command, "-o", str(ir), str(code)], check=True, capture_output=True)
+        text = ir.read_text()
+    splat = re.search(r"insertelement <(\d+) x float> \w+, float %weight", text)
+    weighted = [f"{4 * int(splat.group(1))}-byte vectors" if splat else "scalar"]
+    if "vector.memcheck" in text:
+        weighted.append("overlap checked at run time")
+    summed = "vector.reduce.fadd" in text
+    return {"dot product": ["vector sum" if summed else "scalar"], "weighted sum": weighted}
+
+
+PROBE = """import ctypes, sys
+import numpy as np
+tiny = np.float32(1e-40)  # a subnormal float32: below the smallest normal, 1.2e-38
+before = float(tiny * np.float32(1))
+ctypes.CDLL(sys.argv[1])
+print(before, float(tiny * np.float32(1)))
+"""
+
+
+def subnormal_product(path):
+    """In a fresh Python: 1e-40 * 1 in float32 before and after loading the library at `path`.
+
+    A library linked with -ffast-math runs start-up code that sets flush-to-zero and
+    denormals-are-zero on the loading thread, after which the product is 0.0."""
+    done = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    before, after = done.stdout.split()
+    return float(before), float(after)

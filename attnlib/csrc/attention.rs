@@ -48,10 +48,17 @@ pub unsafe extern "C" fn attention(
             for j in (0..s).filter(|&j| sees(j)) {
                 let value = &v[(j * hkv + kv) * dv..][..dv]; // [Dv]
                 let weight = weights[j] / total;
-                for (o, x) in row.iter_mut().zip(value) {
-                    *o += weight * x; // eq. 2.2: the weighted sum of the values
-                }
+                axpy(row, value, weight); // eq. 2.2
             }
         }
+    }
+}
+
+/// row += weight * value, the weighted sum of the values (eq. 2.2).
+/// `row` and `value` arrive as reference parameters, which rustc marks
+/// `noalias`: LLVM may assume that they do not overlap.
+fn axpy(row: &mut [f32], value: &[f32], weight: f32) {
+    for (o, x) in row.iter_mut().zip(value) {
+        *o += weight * x;
     }
 }
