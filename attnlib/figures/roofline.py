@@ -6,7 +6,7 @@ from ..lab.roofline import attainable, ridge
 
 
 def plot_roofline(ax, peak_gflops, bandwidth_gbs, points, intensities=(0.05, 1e4)):
-    """Draw min(peak, I * bandwidth) on log-log axes and each point {label: (I, GFLOP/s)}.
+    """Draw eq. 10.3, min(peak, I * bandwidth), on log-log axes and each {label: (I, GFLOP/s)}.
 
     Returns the axes. The ridge, where the ceilings meet, is marked with a dotted line.
     """

@@ -1,4 +1,4 @@
-"""The roofline of this machine: its two ceilings, measured, and what they allow (chapter 10).
+"""The roofline of this machine (eq. 10.3): its two ceilings, measured, and what they allow.
 
 A kernel that does I FLOPs per byte it moves can run no faster than min(peak, I * bandwidth):
 the matmul rate caps arithmetic, the memory bandwidth caps everything that waits for bytes
@@ -27,7 +27,7 @@ def read_bandwidth(*tensors: torch.Tensor, repeats: int = 5) -> float:
 
 
 def attainable(intensity: float, peak_gflops: float, bandwidth_gbs: float) -> float:
-    """The roofline: min(peak, intensity * bandwidth) GFLOP/s at `intensity` FLOPs per byte."""
+    """The roofline, eq. 10.3: min(peak, intensity * bandwidth) GFLOP/s at I FLOPs per byte."""
     if intensity <= 0 or peak_gflops <= 0 or bandwidth_gbs <= 0:
         raise ValueError("intensity, peak and bandwidth must be positive")
     return min(peak_gflops, intensity * bandwidth_gbs)
