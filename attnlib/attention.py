@@ -165,7 +165,7 @@ def causal_attention(
     `allowed`: an optional boolean mask broadcastable to [B, Hq, T, S] (True = may attend).
     The default scale is 1/sqrt(D). A query that sees no key outputs zeros.
     causal=False drops the positions rule: every query sees every key (bidirectional).
-    fused=True: PyTorch's fused kernel with the same dense [B, 1, T, S] mask (chapter 13 shows
+    fused=True: PyTorch's fused kernel with the same dense [B, 1, T, S] mask (chapter 14 shows
     why that mask is itself T x S, and `causal_lower_right`, which keeps the fused kernel).
     """
     prepared = prepare(q, k, v, query_positions, key_positions, allowed, scale, causal)
