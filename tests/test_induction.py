@@ -71,7 +71,7 @@ def reference_logits(model, tokens):
     return x @ w["unembed.weight"].T  # [B, T, V]
 
 
-def test_model_is_eq_3_29_with_any_attention():
+def test_model_is_eq_16_1_with_any_attention():
     setup = Setup()
     tokens = induction.task_batch(setup, 3, torch.Generator().manual_seed(1)).tokens
     reference = reference_logits(induction.make_model(4, setup), tokens)
@@ -182,3 +182,21 @@ def test_bad_arguments_say_what_to_do():
     model = induction.AttentionOnly(8, 8, d_model=4, heads=2)
     with pytest.raises(ValueError, match="T <= 8"):
         model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_previous_weight_by_position_matches_a_loop():
+    setup = Setup()
+    data = induction.task_batch(setup, 40, torch.Generator().manual_seed(7))
+    gen = torch.Generator().manual_seed(8)
+    weights = torch.rand(40, setup.length, setup.length, generator=gen)  # [B, T, T]
+    in_copy, elsewhere = induction.previous_weight_by_position(weights, data)
+    assert in_copy.isnan()[0] and elsewhere.isnan()[0]  # position 0 has no previous token
+    for t in range(1, setup.length):
+        inside = [b for b in range(40) if t < setup.length - 1 and bool(data.copied[b, t])]
+        outside = [b for b in range(40) if b not in inside]
+        for rows, found in ((inside, in_copy[t]), (outside, elsewhere[t])):
+            if rows:
+                expected = sum(float(weights[b, t, t - 1]) for b in rows) / len(rows)
+                assert abs(float(found) - expected) < 1e-6
+            else:
+                assert found.isnan()

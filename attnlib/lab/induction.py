@@ -261,3 +261,22 @@ def failed_claims(found: Evidence, vocab: int, limits: Optional[Thresholds] = No
         "control ablation": found.control < limits.two_below * log_v,
     }
     return [name for name, holds in checks.items() if not holds]
+
+
+def previous_weight_by_position(weights: torch.Tensor, data: CopyBatch):
+    """A head's weight on the previous token, by query position, split by where the query is.
+
+    weights [B, T, T] (one head); returns (in_copy, elsewhere), each [T]: at position t, the mean
+    of weights[b, t, t-1] over the sequences whose query t predicts a copied token, and over the
+    others. NaN where a group is empty (position 0 has no previous token)."""
+    batch, length = weights.shape[0], weights.shape[-1]
+    back = torch.full((batch, length), math.nan)
+    back[:, 1:] = weights.diagonal(offset=-1, dim1=-2, dim2=-1)  # [B, T-1]: key t-1 of query t
+    in_copy = torch.zeros(batch, length, dtype=torch.bool)
+    in_copy[:, :-1] = data.copied  # query t predicts the copied token t+1
+
+    def mean_where(selected):  # [B, T] bool -> [T]
+        total = torch.where(selected, back, 0.0).sum(0)
+        return total / selected.sum(0)  # 0/0 = NaN where nothing is selected
+
+    return mean_where(in_copy), mean_where(~in_copy)
