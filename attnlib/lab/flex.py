@@ -1,12 +1,18 @@
 """The positions rule (eq. 7.1) handed to PyTorch's FlexAttention as a `mask_mod`.
 
-FlexAttention (`torch.nn.attention.flex_attention`) runs one fused kernel and skips every tile
-that its block mask marks empty. The block mask is built once from a `mask_mod(b, h, i, j)`,
-the same question `visible()` answers for a whole [T, S] grid: may query i see key j?
-On the CPU (torch 2.13) it runs only under `torch.compile`: Inductor writes C++ and compiles it
-with g++ at run time, forward only. One compiled function serves the whole process; each new
-shape of q, k, v costs one compile (seconds), a repeated shape none. Shapes are static
-(`dynamic=False`): torch 2.13's CPU template fails to compile with dynamic shapes.
+FlexAttention (`torch.nn.attention.flex_attention`; Dong et al. 2024) runs one fused kernel and
+skips every tile that its block mask marks empty. `create_block_mask` builds the block mask from
+a `mask_mod(b, h, i, j)`, the same question `visible()` answers for a whole [T, S] grid: may
+query i see key j? It evaluates the rule over the blocks every time it is called, so a model
+builds one per batch and shares it between layers; `flex_causal_attention` builds one per call.
+Called eagerly, `flex_attention` warns and falls back to an unfused path that materialises the
+scores; on the CPU (torch 2.13) the fused kernel needs `torch.compile`: Inductor writes C++ and
+compiles it with g++ at run time, forward only (PyTorch raises NotImplementedError, "FlexAttention
+does not support backward on CPU"; `_check_can_run` refuses earlier with a ValueError naming the
+alternative). One compiled function serves the whole process; each new shape of q, k, v costs one
+compile (seconds), a repeated shape none. Shapes are static (`dynamic=False`): torch 2.13's CPU
+template fails to compile with dynamic shapes. A call that fails inside the compiled function
+(a gradient asked for, say) can leave later calls on a slow path, which the early check avoids.
 """
 
 import functools
