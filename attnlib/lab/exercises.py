@@ -1,0 +1,783 @@
+"""The book's exercises and their checker, which names the bug it recognises (torch only).
+
+`check(name, fn)` runs the reader's `fn` and the reference on a few seeded cases, prints one
+verdict line and returns a `Result`. Where the answer is wrong, it is run against every known
+wrong version of the exercise (the bank `BUGS`); a bug is named only when it reproduces the
+reader's output, to tolerance, on every case. `EXERCISES` lists the exercises and signatures.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from ..attention import causal_attention
+from ..heads import split_heads
+from ..masks import left_padding
+from ..rope import apply_rope, rope_cos_sin
+from ..softmax import softmax
+
+RTOL, ATOL = 1e-3, 1e-4  # float32 answers against float64 references
+CHAPTER = "../notebooks/{}.ipynb"
+
+
+class Bug(NamedTuple):
+    """One known mistake: what goes wrong, and the chapter that demonstrates it."""
+
+    explanation: str
+    link: str
+
+
+@dataclass(frozen=True)
+class Result:
+    """The verdict of `check`: passed, the name of the recognised bug (a key of BUGS), the text."""
+
+    passed: bool
+    diagnosis: Optional[str]
+    message: str
+
+
+class Case(NamedTuple):
+    """The arguments of one call of the reader's function, and a label for messages."""
+
+    args: tuple
+    label: str
+
+
+def _link(chapter: str) -> str:
+    return CHAPTER.format(chapter)
+
+
+BUGS = {
+    "scale_by_d": Bug(
+        "The scores are divided by D instead of sqrt(D); the logits shrink as D grows and the "
+        "softmax flattens towards uniform.",
+        _link("03_scaling"),
+    ),
+    "no_scale": Bug(
+        "The scores are never multiplied by 1/sqrt(D); their spread grows like sqrt(D) and the "
+        "softmax saturates.",
+        _link("03_scaling"),
+    ),
+    "softmax_over_queries": Bug(
+        "The softmax runs over the queries (dim=-2) instead of the keys (dim=-1), so columns sum "
+        "to 1 and each query's weights do not.",
+        _link("02_queries_keys_values"),
+    ),
+    "mask_after_softmax": Bug(
+        "The future is zeroed after the softmax, so the rows no longer sum to 1 and the future "
+        "still sets the denominator; mask with -inf before the softmax.",
+        _link("05_causal_masking"),
+    ),
+    "mask_after_softmax_renormalised": Bug(
+        "Zeroing after the softmax and renormalising is exact on paper, but the softmax saw the "
+        "future keys: when a future score dominates, the allowed weights underflow to 0 and the "
+        "row becomes 0/0 = NaN. Mask with -inf before the softmax.",
+        _link("05_causal_masking"),
+    ),
+    "mask_inverted": Bug(
+        "The mask's polarity is inverted: each query sees only its future keys (and the last "
+        "query sees nothing). masked_fill fills where the mask is True, so pass ~allowed.",
+        _link("05_causal_masking"),
+    ),
+    "mask_hides_diagonal": Bug(
+        "The mask is off by one and hides the diagonal: key j is visible only when j < i, so a "
+        "query cannot see itself and the first query sees nothing. The -inf belong strictly "
+        "above the diagonal: triu(..., diagonal=1).",
+        _link("05_causal_masking"),
+    ),
+    "reshape_without_transpose": Bug(
+        "x.reshape(B, H, T, Dh) has the right shape and the wrong data: it mixes tokens into "
+        "heads. Reshape to [B, T, H, Dh], then transpose(1, 2).",
+        _link("06_multi_head"),
+    ),
+    "transpose_wrong_axes": Bug(
+        "x.transpose(1, 2) swaps tokens with features before the split, which scrambles both. "
+        "Split the features first, [B, T, H, Dh], then swap T and H.",
+        _link("06_multi_head"),
+    ),
+    "top_left_mask": Bug(
+        "The mask is aligned top-left (key j visible to query i when j <= i), as SDPA's "
+        "is_causal does; with T < S the new queries are the last T positions, so j <= S-T+i.",
+        _link("07_positions"),
+    ),
+    "cache_not_read": Bug(
+        "The new query attends only to the new key and ignores the cache, so its output is just "
+        "the new value; concatenate the cached keys and values first.",
+        _link("07_positions"),
+    ),
+    "repeat_not_interleave": Bug(
+        "k.repeat(1, g, 1, 1) tiles the KV heads (0, 1, 0, 1); query head h needs KV head h // g, "
+        "which repeat_interleave(g, dim=1) gives (0, 0, 1, 1).",
+        _link("09_grouped_query"),
+    ),
+    "rope_interleaved_pairs": Bug(
+        "Features (2i, 2i+1) were rotated together, the interleaved layout; rotate-half pairs "
+        "feature i with feature i + D/2.",
+        _link("08_rotary_positions"),
+    ),
+    "rope_rotate_half_pairs": Bug(
+        "Feature i was paired with feature i + D/2, the rotate-half layout; the interleaved "
+        "layout rotates the neighbours (2i, 2i+1).",
+        _link("08_rotary_positions"),
+    ),
+    "rope_positions_off_by_one": Bug(
+        "Every token is rotated by the angle of the next position: positions + 1 instead of the "
+        "positions given (the first token is not rotated at all).",
+        _link("08_rotary_positions"),
+    ),
+    "rope_on_v": Bug(
+        "RoPE was applied to the values too; it belongs on queries and keys only, where it makes "
+        "the scores depend on relative position.",
+        _link("08_rotary_positions"),
+    ),
+    "online_sum_not_rescaled": Bug(
+        "When the running maximum grows, the running sum l must be multiplied by exp(m - m') "
+        "like the output accumulator; here it is not.",
+        _link("14_tiling"),
+    ),
+    "online_output_not_rescaled": Bug(
+        "When the running maximum grows, the output accumulator o must be multiplied by "
+        "exp(m - m') like the running sum; here it is not.",
+        _link("14_tiling"),
+    ),
+    "backward_without_delta": Bug(
+        "dS = P * (dP - delta) needs the row-sum term delta_i = dO_i . O_i; without it dq and dk "
+        "are wrong (dv is right).",
+        _link("15_backward"),
+    ),
+    "pads_not_masked": Bug(
+        "The pads are not masked: real tokens attend to the pad slots before them. Combine the "
+        "causal rule with a key mask that hides the pads.",
+        _link("07_positions"),
+    ),
+    "masked_row_nan": Bug(
+        "A query that sees no key (a pad) gives NaN: softmax over a row of -inf is 0/0. Such a "
+        "row must output zeros.",
+        _link("05_causal_masking"),
+    ),
+}
+
+
+# ---- references and wrong versions; every one takes the reader's arguments -------------------
+
+
+def _f64(*xs):
+    return tuple(x.double() if torch.is_tensor(x) and x.is_floating_point() else x for x in xs)
+
+
+def _attend(q, k, v, visible, scale=None, dim=-1, after=None):
+    """Dense attention in float64 with boolean visible [T, S]: the template of several bugs."""
+    q, k, v = _f64(q, k, v)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ k.transpose(-2, -1) * scale  # [B, H, T, S]
+    if after is None:
+        return softmax(scores.masked_fill(~visible, -math.inf), dim=dim) @ v
+    weights = torch.softmax(scores, dim=-1).masked_fill(~visible, 0.0)
+    if after == "renormalise":
+        weights = weights / weights.sum(-1, keepdim=True)  # 0/0 = NaN where the future won
+    return weights @ v
+
+
+def _tril(t, s, offset=0):
+    return torch.ones(t, s, dtype=torch.bool).tril(offset)
+
+
+def _ref_causal(q, k, v):
+    return causal_attention(*_f64(q, k, v))
+
+
+def _causal_bug(**kw):
+    def wrong(q, k, v):
+        t = q.shape[2]
+        return _attend(q, k, v, _tril(t, t), **kw)
+
+    return wrong
+
+
+def _mask_inverted(q, k, v):
+    t = q.shape[2]
+    return _attend(q, k, v, ~_tril(t, t))
+
+
+def _mask_hides_diagonal(q, k, v):
+    t = q.shape[2]
+    return _attend(q, k, v, _tril(t, t, -1))
+
+
+def _reshape_without_transpose(x, heads):
+    b, t, f = x.shape
+    return x.reshape(b, heads, t, f // heads)
+
+
+def _transpose_wrong_axes(x, heads):
+    b, t, f = x.shape
+    return x.transpose(1, 2).reshape(b, heads, t, f // heads)
+
+
+def _top_left(q, k, v):
+    return _attend(q, k, v, _tril(q.shape[2], k.shape[2]))
+
+
+def _ref_kv(q, k, v, k_cache, v_cache):
+    return causal_attention(*_f64(q, torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2)))
+
+
+def _cache_not_read(q, k, v, k_cache, v_cache):
+    return causal_attention(*_f64(q, k, v))
+
+
+def _repeat_not_interleave(q, k, v):
+    g = q.shape[1] // k.shape[1]
+    t = q.shape[2]
+    return _attend(q, k.repeat(1, g, 1, 1), v.repeat(1, g, 1, 1), _tril(t, t))
+
+
+def _ref_rope(x, positions):
+    cos, sin = rope_cos_sin(positions, x.shape[-1])
+    return apply_rope(x.double(), cos.double(), sin.double())
+
+
+def _rope_interleaved(x, positions):
+    """The interleaved layout: features (2i, 2i+1) turn together by the angle of pair i."""
+    cos, sin = rope_cos_sin(positions, x.shape[-1])  # [T, D]: pair i's angle at i and i + D/2
+    half = x.shape[-1] // 2
+    cos, sin = (c[:, :half].double().repeat_interleave(2, -1) for c in (cos, sin))
+    x = x.double()
+    turned = torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)  # (-x1, x0, -x3, x2..)
+    return x * cos + turned * sin
+
+
+def _rope_off_by_one(x, positions):
+    return _ref_rope(x, positions + 1)
+
+
+def _ref_rope_attention(q, k, v, positions):
+    return _ref_causal(_ref_rope(q, positions), _ref_rope(k, positions), v)
+
+
+def _rope_on_v(q, k, v, positions):
+    return _ref_causal(_ref_rope(q, positions), _ref_rope(k, positions), _ref_rope(v, positions))
+
+
+def _ref_online(scores, values, block):
+    scores, values = _f64(scores, values)
+    return softmax(scores, dim=-1) @ values
+
+
+def _online(scores, values, block, rescale_sum=True, rescale_out=True):
+    """Online softmax over key blocks (eqs. 14.1-14.2), optionally without a rescale."""
+    scores, values = _f64(scores, values)
+    m = torch.full((scores.shape[0], 1), torch.finfo(torch.float64).min, dtype=torch.float64)
+    ell = torch.zeros_like(m)
+    o = torch.zeros(scores.shape[0], values.shape[1], dtype=torch.float64)
+    for j in range(0, scores.shape[1], block):
+        s = scores[:, j : j + block]
+        new_m = torch.maximum(m, s.amax(-1, keepdim=True))
+        alpha, w = torch.exp(m - new_m), torch.exp(s - new_m)
+        ell = (ell * alpha if rescale_sum else ell) + w.sum(-1, keepdim=True)
+        o = (o * alpha if rescale_out else o) + w @ values[j : j + block]
+        m = new_m
+    return o / ell.masked_fill(ell == 0, 1.0)
+
+
+def _ref_backward(q, k, v, dout):
+    q, k, v, dout = (x.double().requires_grad_() for x in (q, k, v, dout))
+    with torch.enable_grad():
+        return torch.autograd.grad(causal_attention(q, k, v), (q, k, v), dout)
+
+
+def _backward_without_delta(q, k, v, dout):
+    q, k, v, dout = _f64(q, k, v, dout)
+    scale, t = 1 / math.sqrt(q.shape[-1]), q.shape[2]
+    p = softmax((q @ k.transpose(-2, -1) * scale).masked_fill(~_tril(t, t), -math.inf))
+    ds = p * (dout @ v.transpose(-2, -1))  # the bug: no "- delta"
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
+
+
+def _ref_padded(q, k, v, lengths):
+    positions, allowed = left_padding(lengths, q.shape[2])
+    return causal_attention(*_f64(q, k, v), positions, positions, allowed)
+
+
+def _pads_not_masked(q, k, v, lengths):
+    return _ref_causal(q, k, v)
+
+
+def _masked_row_nan(q, k, v, lengths):
+    out = _ref_padded(q, k, v, lengths).clone()
+    for b, n in enumerate(lengths):
+        out[b, :, : q.shape[2] - n] = math.nan
+    return out
+
+
+_WRONG = {
+    "scale_by_d": lambda q, k, v: _causal_bug(scale=1 / q.shape[-1])(q, k, v),
+    "no_scale": _causal_bug(scale=1.0),
+    "softmax_over_queries": _causal_bug(dim=-2),
+    "mask_after_softmax": _causal_bug(after="zero"),
+    "mask_after_softmax_renormalised": _causal_bug(after="renormalise"),
+    "mask_inverted": _mask_inverted,
+    "mask_hides_diagonal": _mask_hides_diagonal,
+    "reshape_without_transpose": _reshape_without_transpose,
+    "transpose_wrong_axes": _transpose_wrong_axes,
+    "top_left_mask": _top_left,
+    "cache_not_read": _cache_not_read,
+    "repeat_not_interleave": _repeat_not_interleave,
+    "rope_interleaved_pairs": _rope_interleaved,
+    "rope_rotate_half_pairs": lambda x, positions: _ref_rope(x, positions),
+    "rope_positions_off_by_one": _rope_off_by_one,
+    "rope_on_v": _rope_on_v,
+    "online_sum_not_rescaled": lambda s, v, b: _online(s, v, b, rescale_sum=False),
+    "online_output_not_rescaled": lambda s, v, b: _online(s, v, b, rescale_out=False),
+    "backward_without_delta": _backward_without_delta,
+    "pads_not_masked": _pads_not_masked,
+    "masked_row_nan": _masked_row_nan,
+}
+
+# ---- the cases: seeded, small, awkward -----------------------------------------------------
+
+
+def _randn(gen, *shape):
+    return torch.randn(*shape, generator=gen)
+
+
+def _qkv_cases(shapes, seed, spike=False):
+    """q [B, Hq, T, D], k and v [B, Hkv, S, D] for each (B, Hq, Hkv, T, S, D) in shapes."""
+    gen, cases = torch.Generator().manual_seed(seed), []
+    for b, hq, hkv, t, s, d in shapes:
+        q, k, v = _randn(gen, b, hq, t, d), _randn(gen, b, hkv, s, d), _randn(gen, b, hkv, s, d)
+        heads = f"H={hq}" if hq == hkv else f"Hq={hq}, Hkv={hkv}"
+        tokens = f"T={t}" if s == t else f"T={t}, S={s}"
+        cases.append(Case((q, k, v), f"B={b}, {heads}, {tokens}, D={d}"))
+    if spike:  # the last key outscores the others by thousands: only its own query may see it
+        b, h, t, d = 1, 2, 5, 8
+        q = _randn(gen, b, h, t, d).abs() + 0.5
+        k, v = _randn(gen, b, h, t, d), _randn(gen, b, h, t, d)
+        k[:, :, -1] = 1000.0
+        cases.append(Case((q, k, v), f"B={b}, H={h}, T={t}, D={d}, one future key outscores all"))
+    return cases
+
+
+def _causal_cases():
+    shapes = [(2, 3, 3, 5, 5, 8), (1, 2, 2, 7, 7, 4), (3, 1, 1, 4, 4, 16), (1, 1, 1, 1, 1, 4)]
+    return _qkv_cases(shapes, 0, spike=True)
+
+
+def _split_cases():
+    gen, cases = torch.Generator().manual_seed(1), []
+    for b, t, h, dh in [(2, 5, 3, 4), (1, 4, 2, 6), (3, 2, 4, 2), (1, 1, 2, 3)]:
+        cases.append(Case((_randn(gen, b, t, h * dh), h), f"B={b}, T={t}, H={h}, Dh={dh}"))
+    return cases
+
+
+def _decode_cases():
+    shapes = [(2, 2, 2, 1, 7, 8), (1, 3, 3, 3, 9, 4), (2, 2, 2, 2, 5, 8), (1, 2, 2, 4, 4, 4)]
+    return _qkv_cases(shapes, 2)
+
+
+def _kv_cases():
+    gen, cases = torch.Generator().manual_seed(3), []
+    for b, h, s, d in [(2, 2, 6, 8), (1, 3, 1, 4), (1, 1, 9, 16)]:
+        new = [_randn(gen, b, h, 1, d) for _ in range(3)]
+        cache = [_randn(gen, b, h, s, d) for _ in range(2)]
+        cases.append(Case((*new, *cache), f"B={b}, H={h}, S={s} cached, D={d}"))
+    return cases
+
+
+def _gqa_cases():
+    shapes = [(2, 4, 2, 5, 5, 8), (1, 6, 3, 6, 6, 4), (1, 6, 2, 4, 4, 8), (1, 2, 2, 3, 3, 4)]
+    return _qkv_cases(shapes, 4)
+
+
+def _rope_cases():
+    gen, cases = torch.Generator().manual_seed(5), []
+    for b, h, t, d, start in [(2, 2, 5, 8, 0), (1, 3, 4, 4, 7), (1, 1, 6, 16, 0), (2, 1, 3, 6, 2)]:
+        positions = torch.arange(start, start + t)
+        cases.append(
+            Case(
+                (_randn(gen, b, h, t, d), positions),
+                f"B={b}, H={h}, T={t}, D={d}, positions {start}..{start + t - 1}",
+            )
+        )
+    return cases
+
+
+def _rope_attention_cases():
+    gen, cases = torch.Generator().manual_seed(6), []
+    for b, h, t, d, start in [(2, 2, 5, 8, 0), (1, 3, 6, 4, 3), (1, 1, 4, 16, 0)]:
+        q, k, v = (_randn(gen, b, h, t, d) for _ in range(3))
+        positions = torch.arange(start, start + t)
+        label = f"B={b}, H={h}, T={t}, D={d}, positions {start}..{start + t - 1}"
+        cases.append(Case((q, k, v, positions), label))
+    return cases
+
+
+def _online_cases():
+    gen, cases = torch.Generator().manual_seed(7), []
+    for t, s, dv, block in [(3, 10, 4, 3), (4, 7, 2, 2), (2, 16, 3, 4), (5, 9, 4, 1)]:
+        scores = 2 * _randn(gen, t, s) + torch.linspace(0, 8, s)  # the maximum keeps moving
+        cases.append(
+            Case((scores, _randn(gen, s, dv), block), f"T={t}, S={s}, Dv={dv}, block={block}")
+        )
+    scores = 2 * _randn(gen, 4, 8) + torch.linspace(0, 8, 8)
+    scores = scores.masked_fill(~_tril(4, 8, 4), -math.inf)
+    scores[0] = -math.inf  # a row that sees no key gives zeros
+    cases.append(
+        Case((scores, _randn(gen, 8, 3), 3), "T=4, S=8, Dv=3, block=3, masked, row 0 all -inf")
+    )
+    return cases
+
+
+def _backward_cases():
+    gen, cases = torch.Generator().manual_seed(8), []
+    for b, h, t, d in [(2, 2, 5, 8), (1, 3, 4, 4), (1, 1, 6, 16)]:
+        args = tuple(_randn(gen, b, h, t, d) for _ in range(4))
+        cases.append(Case(args, f"B={b}, H={h}, T={t}, D={d}"))
+    return cases
+
+
+def _padded_cases():
+    gen, cases = torch.Generator().manual_seed(9), []
+    for b, h, t, d, lengths in [
+        (3, 2, 5, 8, [5, 3, 1]),
+        (2, 1, 4, 4, [2, 4]),
+        (2, 2, 3, 4, [0, 3]),
+    ]:
+        q, k, v = (_randn(gen, b, h, t, d) for _ in range(3))
+        cases.append(Case((q, k, v, lengths), f"B={b}, H={h}, T={t}, D={d}, lengths {lengths}"))
+    return cases
+
+
+# ---- probes: with v = identity the output of attention is its weight matrix -----------------
+
+
+def _attention_probe(hq=2, hkv=2, t=6, s=6):
+    gen = torch.Generator().manual_seed(10)
+    q, k = _randn(gen, 1, hq, t, s), _randn(gen, 1, hkv, s, s)
+    v = torch.eye(s).expand(1, hkv, s, s).clone()
+    return (q, k, v), _tril(t, s, s - t)
+
+
+def _probes():
+    (q, k, eye), _ = _attention_probe()
+    q, k, eye = (torch.cat([x, x]) for x in (q, k, eye))  # B = 2 for the padded batch
+    pad_allowed = left_padding([6, 4], 6)[1]  # [2, 1, 1, 6]
+    return {
+        "causal_attention": _attention_probe(),
+        "decode_attention": _attention_probe(t=3, s=8),
+        "grouped_query_attention": _attention_probe(hq=4),
+        "rope_attention": (_attention_probe()[0] + (torch.arange(6),), _tril(6, 6)),
+        "kv_cache_decode": (
+            (q[:, :, -1:], k[:, :, -1:], eye[:, :, -1:], k[:, :, :-1], eye[:, :, :-1]),
+            torch.ones(1, 6, dtype=torch.bool),
+        ),
+        "padded_attention": ((q, k, eye, [6, 4]), _tril(6, 6) & pad_allowed),
+        "online_softmax": (
+            (torch.linspace(0, 4, 24).reshape(4, 6), torch.eye(6), 2),
+            torch.ones(4, 6, dtype=torch.bool),
+        ),
+    }
+
+
+class Exercise(NamedTuple):
+    """An exercise: its signature, one line of description, cases, reference and bugs."""
+
+    signature: str
+    description: str
+    cases: Callable
+    reference: Callable
+    outputs: tuple  # names and shapes of the outputs, e.g. ("out [B, H, T, D]",)
+    bugs: tuple
+
+
+EXERCISES = {
+    "causal_attention": Exercise(
+        "fn(q, k, v) -> out; q, k, v [B, H, T, D] -> [B, H, T, D]",
+        "Causal scaled dot-product attention, positions 0..T-1, scale 1/sqrt(D).",
+        _causal_cases,
+        _ref_causal,
+        ("out [B, H, T, D]",),
+        (
+            "scale_by_d",
+            "no_scale",
+            "softmax_over_queries",
+            "mask_after_softmax",
+            "mask_after_softmax_renormalised",
+            "mask_inverted",
+            "mask_hides_diagonal",
+        ),
+    ),
+    "split_heads": Exercise(
+        "fn(x, heads) -> out; x [B, T, H*Dh] -> [B, H, T, Dh]",
+        "Split the features into heads and move the heads in front of the tokens.",
+        _split_cases,
+        split_heads,
+        ("out [B, H, T, Dh]",),
+        ("reshape_without_transpose", "transpose_wrong_axes"),
+    ),
+    "decode_attention": Exercise(
+        "fn(q, k, v) -> out; q [B, H, T, D], k and v [B, H, S, D] with T <= S -> [B, H, T, D]",
+        "The T queries are the last T of S positions: key j is visible to query i iff j <= S-T+i.",
+        _decode_cases,
+        _ref_causal,
+        ("out [B, H, T, D]",),
+        ("top_left_mask",),
+    ),
+    "kv_cache_decode": Exercise(
+        "fn(q, k, v, k_cache, v_cache) -> out; q, k, v [B, H, 1, D], caches [B, H, S, D] -> "
+        "[B, H, 1, D]",
+        "One decode step: the new token's query attends to the S cached keys and its own key.",
+        _kv_cases,
+        _ref_kv,
+        ("out [B, H, 1, D]",),
+        ("cache_not_read",),
+    ),
+    "grouped_query_attention": Exercise(
+        "fn(q, k, v) -> out; q [B, Hq, T, D], k and v [B, Hkv, T, D] -> [B, Hq, T, D]",
+        "Causal attention where query head h reads KV head h // (Hq / Hkv).",
+        _gqa_cases,
+        _ref_causal,
+        ("out [B, Hq, T, D]",),
+        ("repeat_not_interleave",),
+    ),
+    "rope": Exercise(
+        "fn(x, positions) -> out; x [B, H, T, D], positions [T] (int) -> [B, H, T, D]",
+        "RoPE, rotate-half layout (feature i pairs with i + D/2), base 10000.",
+        _rope_cases,
+        _ref_rope,
+        ("out [B, H, T, D]",),
+        ("rope_interleaved_pairs", "rope_positions_off_by_one"),
+    ),
+    "rope_interleaved": Exercise(
+        "fn(x, positions) -> out; x [B, H, T, D], positions [T] (int) -> [B, H, T, D]",
+        "RoPE, interleaved layout (features 2i and 2i+1 turn together), base 10000.",
+        _rope_cases,
+        _rope_interleaved,
+        ("out [B, H, T, D]",),
+        ("rope_rotate_half_pairs",),
+    ),
+    "rope_attention": Exercise(
+        "fn(q, k, v, positions) -> out; q, k, v [B, H, T, D], positions [T] -> [B, H, T, D]",
+        "Causal attention with RoPE (rotate-half, base 10000) at the given positions.",
+        _rope_attention_cases,
+        _ref_rope_attention,
+        ("out [B, H, T, D]",),
+        ("rope_on_v",),
+    ),
+    "online_softmax": Exercise(
+        "fn(scores, values, block) -> out; scores [T, S], values [S, Dv] -> [T, Dv]",
+        "softmax(scores) @ values one block of `block` keys at a time (a row of -inf gives 0).",
+        _online_cases,
+        _ref_online,
+        ("out [T, Dv]",),
+        ("online_sum_not_rescaled", "online_output_not_rescaled"),
+    ),
+    "attention_backward": Exercise(
+        "fn(q, k, v, dout) -> (dq, dk, dv); all [B, H, T, D]",
+        "The gradients of causal attention (scale 1/sqrt(D)) given dout, without autograd.",
+        _backward_cases,
+        _ref_backward,
+        ("dq [B, H, T, D]", "dk [B, H, T, D]", "dv [B, H, T, D]"),
+        ("backward_without_delta",),
+    ),
+    "padded_attention": Exercise(
+        "fn(q, k, v, lengths) -> out; q, k, v [B, H, T, D], lengths [B] ints -> [B, H, T, D]",
+        "A left-padded batch: row b holds T - lengths[b] pads, then its tokens at positions "
+        "0, 1, ...; causal among real tokens, no key is a pad, a pad's output is 0.",
+        _padded_cases,
+        _ref_padded,
+        ("out [B, H, T, D]",),
+        ("pads_not_masked", "masked_row_nan"),
+    ),
+}
+
+
+# ---- the checker ----------------------------------------------------------------------------
+
+
+class _Fail(Exception):
+    """A message for the reader; raised inside `check` and never leaves it."""
+
+
+def _copy(args):
+    return tuple(
+        a.clone() if torch.is_tensor(a) else list(a) if isinstance(a, list) else a for a in args
+    )
+
+
+def _call(fn, args, label, ex: Exercise):
+    """Call fn on copies of args; return its outputs as a tuple of float64 tensors."""
+    given = _copy(args)
+    try:
+        out = fn(*given)
+    except NotImplementedError:
+        raise _Fail("not implemented yet (the function raises NotImplementedError).") from None
+    except Exception as err:  # the reader's code may raise anything
+        raise _Fail(f"your function raised {type(err).__name__}: {err} (case {label}).") from None
+    names = ex.signature[3 : ex.signature.index(")")].split(", ")  # "fn(q, k, v) -> .."
+    for name, a, b in zip(names, args, given):
+        if torch.is_tensor(a) and (not torch.is_tensor(b) or not torch.equal(a, b)):
+            raise _Fail(
+                f"your function changed its input `{name}` in place; work on new tensors "
+                f"(x = x * s, not x *= s) (case {label})."
+            )
+    want = len(ex.outputs)
+    if want > 1:
+        if not isinstance(out, (tuple, list)) or len(out) != want:
+            raise _Fail(
+                f"expected a tuple of {want} tensors ({', '.join(ex.outputs)}), "
+                f"got {_describe(out)}."
+            )
+    else:
+        out = (out,)
+    result = []
+    for o, name in zip(out, ex.outputs):
+        if not torch.is_tensor(o):
+            raise _Fail(f"expected a torch.Tensor for {name}, got {type(o).__name__}.")
+        if not o.is_floating_point():
+            raise _Fail(f"expected a real floating-point tensor for {name}, got {o.dtype}.")
+        result.append(o.detach().cpu().double())
+    return tuple(result)
+
+
+def _describe(x) -> str:
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}"
+    return f"a {type(x).__name__}"
+
+
+def _close(outs, exps, nan_as_zero=False):
+    if len(outs) != len(exps) or any(o.shape != e.shape for o, e in zip(outs, exps)):
+        return False
+    if nan_as_zero:
+        outs, exps = (
+            [x.nan_to_num(0.0, posinf=math.inf, neginf=-math.inf) for x in xs]
+            for xs in (outs, exps)
+        )
+    return all(torch.allclose(o, e, RTOL, ATOL) for o, e in zip(outs, exps))
+
+
+def _index(flat: int, shape) -> list:
+    return list(torch.unravel_index(torch.tensor(flat), tuple(shape))) if shape else []
+
+
+def _first_wrong(out, exp):
+    bad = ~torch.isclose(out, exp, RTOL, ATOL)
+    flat = int(bad.flatten().nonzero()[0])
+    idx = [int(i) for i in _index(flat, out.shape)]
+    return idx, float(out.flatten()[flat]), float(exp.flatten()[flat])
+
+
+def _probe_finding(fn, name):
+    """With v = identity attention returns its weights: name future keys and bad row sums."""
+    probe = _probes().get(name)
+    if probe is None:
+        return None
+    args, allowed = probe
+    try:
+        out = fn(*_copy(args))
+        weights = out.detach().cpu().double()
+        allowed = allowed.expand_as(weights)
+        if weights.isnan().any() or (weights < -1e-4).any():  # these are not weights
+            return None
+    except Exception:
+        return None
+    leak = (weights.abs() > 1e-4) & ~allowed
+    if leak.any():
+        idx = [int(i) for i in _index(int(leak.flatten().nonzero()[0]), weights.shape)]
+        i, j = idx[-2:]
+        return (
+            f"query {i} gives weight {float(weights[tuple(idx)]):.3g} to key {j}, which it "
+            f"must not see (probed with v = identity, so the output is the weights)"
+        )
+    sums = weights.sum(-1)  # [..., T]
+    off = ((sums - 1).abs() > 1e-3) & allowed.any(-1)
+    if off.any():
+        idx = [int(i) for i in _index(int(off.flatten().nonzero()[0]), sums.shape)]
+        return (
+            f"the weights of query {idx[-1]} sum to {float(sums[tuple(idx)]):.4g}, not 1 "
+            f"(probed with v = identity, so the output is the weights)"
+        )
+    return None
+
+
+def _diagnose(fn, name, ex: Exercise, cases, outs):
+    """The message for a wrong answer: a matching bug, else what is wrong and where."""
+    exps = [_as_tuple(ex.reference(*c.args)) for c in cases]
+    for c, o, e in zip(cases, outs, exps):
+        for got, want, what in zip(o, e, ex.outputs):
+            if got.shape != want.shape:
+                hint = (
+                    " (the right axes in the wrong order?)"
+                    if sorted(got.shape) == sorted(want.shape)
+                    else ""
+                )
+                return None, (
+                    f"{what.split()[0]} has shape {list(got.shape)}, expected "
+                    f"{list(want.shape)} = {what.split(' ', 1)[1]}{hint} "
+                    f"(case {c.label})."
+                )
+    matches = [
+        bug
+        for bug in ex.bugs
+        if all(
+            _close(o, _as_tuple(_WRONG[bug](*c.args)), nan_as_zero=True)
+            for c, o in zip(cases, outs)
+        )
+    ]
+    if matches:
+        bug = matches[0]
+        return bug, f"looks like `{bug}`: {BUGS[bug].explanation} See {BUGS[bug].link}"
+    for c, o in zip(cases, outs):
+        for got, what in zip(o, ex.outputs):
+            if got.isnan().any():
+                idx = [int(i) for i in _index(int(got.isnan().flatten().nonzero()[0]), got.shape)]
+                return None, (
+                    f"{what.split()[0]} has NaN, first at {idx} (case {c.label}); a softmax "
+                    "over a row that is all -inf gives NaN."
+                )
+    found = _probe_finding(fn, name)
+    for c, o, e in zip(cases, outs, exps):
+        for got, want, what in zip(o, e, ex.outputs):
+            if not torch.allclose(got, want, RTOL, ATOL):
+                idx, g, w = _first_wrong(got, want)
+                text = f"{what.split()[0]}{idx} is {g:.4g}, expected {w:.4g} (case {c.label})."
+                return None, f"{found}; first wrong entry: {text}" if found else text
+    return None, found or "the output differs from the reference."
+
+
+def _as_tuple(x):
+    return tuple(t.double() for t in (x if isinstance(x, (tuple, list)) else (x,)))
+
+
+def check(name: str, fn: Callable, extra=()) -> Result:
+    """Run fn against exercise `name` (a key of EXERCISES); print one verdict and return it.
+
+    fn has the exercise's signature (see EXERCISES[name].signature). `extra`: more argument
+    tuples to try after the seeded cases. The Result holds passed, diagnosis (a key of BUGS when
+    the answer reproduces that bug on every case, else None) and message.
+    """
+    if name not in EXERCISES:
+        raise ValueError(f"no exercise {name!r}; the exercises are {', '.join(EXERCISES)}")
+    ex = EXERCISES[name]
+    passed, diagnosis = False, None
+    try:
+        if not callable(fn):
+            raise _Fail(f"expected a function, got {type(fn).__name__}.")
+        cases = ex.cases() + [Case(tuple(args), f"extra {i}") for i, args in enumerate(extra)]
+        outs = [_call(fn, c.args, c.label, ex) for c in cases]
+        if all(_close(o, _as_tuple(ex.reference(*c.args))) for c, o in zip(cases, outs)):
+            passed, message = True, f"correct on all {len(cases)} cases."
+        else:
+            diagnosis, message = _diagnose(fn, name, ex, cases, outs)
+    except _Fail as fail:
+        message = str(fail)
+    except Exception as err:  # the checker itself must never hand the reader a traceback
+        message = f"could not check this answer ({type(err).__name__}: {err})."
+    print(f"{name}: {'passed' if passed else 'not yet'}: {message}")
+    return Result(passed, diagnosis, message)
+
+
+__all__ = ["BUGS", "EXERCISES", "Bug", "Exercise", "Result", "check"]

@@ -1,0 +1,492 @@
+"""The exercise checker: every planted bug is named, correct answers pass, bad answers get words."""
+
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnlib.lab.exercises as ex_mod
+from attnlib.lab.exercises import BUGS, EXERCISES, check
+
+# ---- readers' answers, written the way a reader might -----------------------------------------
+
+
+def causal_mask(t, s):
+    """True where query i (the last t of s positions) may see key j."""
+    return torch.ones(t, s, dtype=torch.bool).tril(s - t)
+
+
+def attend(q, k, v, scale=None, mask=None):
+    """Plain float32 attention with torch.softmax: a row that sees nothing gives NaN."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ k.transpose(-2, -1) * scale
+    if mask is None:
+        mask = causal_mask(q.shape[-2], k.shape[-2])
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
+def causal_einsum(q, k, v):
+    scores = torch.einsum("bhtd,bhsd->bhts", q, k) / q.shape[-1] ** 0.5
+    t, s = scores.shape[-2:]
+    scores = scores + torch.full((t, s), float("-inf")).triu(s - t + 1)
+    return torch.einsum("bhts,bhsd->bhtd", scores.softmax(-1), v)
+
+
+def causal_loops(q, k, v):
+    out = torch.zeros(*q.shape[:-1], v.shape[-1])
+    t, s = q.shape[2], k.shape[2]
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            for i in range(t):
+                n = s - t + i + 1  # the keys this query sees
+                w = torch.softmax(k[b, h, :n] @ q[b, h, i] / math.sqrt(q.shape[-1]), 0)
+                out[b, h, i] = w @ v[b, h, :n]
+    return out
+
+
+def causal_sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def causal_f64(q, k, v):
+    return attend(q.double(), k.double(), v.double())
+
+
+def decode_sdpa(q, k, v):  # the bottom-right mask, given explicitly
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q.shape[2], k.shape[2]))
+
+
+def gqa_interleave(q, k, v):
+    g = q.shape[1] // k.shape[1]
+    return attend(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
+
+
+def gqa_sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def gqa_index(q, k, v):
+    heads = torch.arange(q.shape[1]) // (q.shape[1] // k.shape[1])
+    return causal_einsum(q, k[:, heads], v[:, heads])
+
+
+def split_view(x, heads):
+    b, t, f = x.shape
+    return x.view(b, t, heads, f // heads).transpose(1, 2)
+
+
+def split_loops(x, heads):
+    dh = x.shape[-1] // heads
+    return torch.stack([x[..., h * dh : (h + 1) * dh] for h in range(heads)], 1)
+
+
+def split_unflatten(x, heads):
+    return x.unflatten(-1, (heads, -1)).permute(0, 2, 1, 3).double()
+
+
+def angles(positions, d, pairs_per_feature):
+    inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # [D/2]
+    a = positions.double()[:, None] * inv  # [T, D/2]
+    return torch.cat([a, a], -1) if pairs_per_feature == "half" else a.repeat_interleave(2, -1)
+
+
+def rope_half(x, positions):
+    a = angles(positions, x.shape[-1], "half")
+    x1, x2 = x.double().chunk(2, -1)
+    return x.double() * a.cos() + torch.cat([-x2, x1], -1) * a.sin()
+
+
+def rope_half_complex(x, positions):
+    d = x.shape[-1]
+    z = torch.complex(x[..., : d // 2].double(), x[..., d // 2 :].double())
+    z = z * torch.polar(
+        torch.ones(1, dtype=torch.float64), angles(positions, d, "half")[:, : d // 2]
+    )
+    return torch.cat([z.real, z.imag], -1)
+
+
+def rope_pairs(x, positions):
+    a = angles(positions, x.shape[-1], "pairs")
+    x = x.double()
+    turned = torch.stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)
+    return x * a.cos() + turned * a.sin()
+
+
+def rope_pairs_complex(x, positions):
+    d = x.shape[-1]
+    z = torch.view_as_complex(x.double().unflatten(-1, (d // 2, 2)).contiguous())
+    z = z * torch.polar(torch.ones(1, dtype=torch.float64), angles(positions, d, "pairs")[:, ::2])
+    return torch.view_as_real(z).flatten(-2)
+
+
+def rope_attention(q, k, v, positions):
+    return attend(rope_half(q, positions), rope_half(k, positions), v.double())
+
+
+def rope_attention_sdpa(q, k, v, positions):
+    q, k = rope_half_complex(q, positions).float(), rope_half_complex(k, positions).float()
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def kv_decode(q, k, v, k_cache, v_cache):
+    return attend(q, torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2))
+
+
+def kv_decode_sdpa(q, k, v, k_cache, v_cache):
+    return F.scaled_dot_product_attention(q, torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2))
+
+
+def online(scores, values, block, rescale_sum=True, rescale_out=True):
+    """A reader's online softmax, with -inf guards; the flags plant the two bugs."""
+    m = torch.full((scores.shape[0], 1), float("-inf"))
+    ell, o = torch.zeros(scores.shape[0], 1), torch.zeros(scores.shape[0], values.shape[1])
+    for j in range(0, scores.shape[1], block):
+        s = scores[:, j : j + block]
+        new_m = torch.maximum(m, s.amax(-1, keepdim=True))
+        safe = new_m.masked_fill(new_m == float("-inf"), 0.0)
+        alpha, w = torch.exp(m - safe), torch.exp(s - safe)
+        ell = (ell * alpha if rescale_sum else ell) + w.sum(-1, keepdim=True)
+        o = (o * alpha if rescale_out else o) + w @ values[j : j + block]
+        m = new_m
+    return o / ell.clamp_min(1e-30)
+
+
+def online_loops(scores, values, block):
+    out = torch.zeros(scores.shape[0], values.shape[1], dtype=torch.float64)
+    for i, row in enumerate(scores.double()):
+        m, ell, o = -math.inf, 0.0, torch.zeros(values.shape[1], dtype=torch.float64)
+        for j in range(0, len(row), block):
+            s = row[j : j + block]
+            new_m = max(m, float(s.max()))
+            if new_m == -math.inf:
+                continue
+            alpha = math.exp(m - new_m)
+            w = torch.exp(s - new_m)
+            ell, o = ell * alpha + float(w.sum()), o * alpha + w @ values[j : j + block].double()
+            m = new_m
+        out[i] = o / ell if ell else o
+    return out
+
+
+def backward(q, k, v, dout, delta=True):
+    scale, t = 1 / math.sqrt(q.shape[-1]), q.shape[2]
+    p = torch.softmax((q @ k.transpose(-2, -1) * scale).masked_fill(~causal_mask(t, t), -1e30), -1)
+    o = p @ v
+    dp = dout @ v.transpose(-2, -1)
+    ds = p * (dp - (dout * o).sum(-1, keepdim=True)) if delta else p * dp
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
+
+
+def backward_autograd(q, k, v, dout):
+    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return torch.autograd.grad(out, (q, k, v), dout.double())
+
+
+def padded_mask(lengths, t):
+    real = torch.arange(t)[None, :] >= (t - torch.tensor(lengths))[:, None]  # [B, T]
+    return causal_mask(t, t) & real[:, None, None, :]  # [B, 1, T, T]
+
+
+def padded(q, k, v, lengths):
+    out = attend(q, k, v, mask=padded_mask(lengths, q.shape[2]))
+    return out.nan_to_num(0.0)
+
+
+def padded_sdpa(q, k, v, lengths):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=padded_mask(lengths, q.shape[2]))
+
+
+CORRECT = {
+    "causal_attention": [causal_einsum, causal_loops, causal_sdpa, causal_f64],
+    "split_heads": [split_view, split_loops, split_unflatten],
+    "decode_attention": [causal_einsum, causal_loops, decode_sdpa, causal_f64],
+    "kv_cache_decode": [kv_decode, kv_decode_sdpa],
+    "grouped_query_attention": [gqa_interleave, gqa_sdpa, gqa_index],
+    "rope": [rope_half, rope_half_complex],
+    "rope_interleaved": [rope_pairs, rope_pairs_complex],
+    "rope_attention": [rope_attention, rope_attention_sdpa],
+    "online_softmax": [online, online_loops],
+    "attention_backward": [backward, backward_autograd],
+    "padded_attention": [padded, padded_sdpa],
+}
+
+
+def hides_diagonal(q, k, v):
+    t = q.shape[2]
+    return attend(q, k, v, mask=torch.ones(t, t, dtype=torch.bool).tril(-1))  # NaN in row 0
+
+
+def mask_after(q, k, v, renormalise):
+    w = torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, -1) * causal_mask(
+        q.shape[2], q.shape[2]
+    )
+    return (w / w.sum(-1, keepdim=True) if renormalise else w) @ v
+
+
+def padded_nan(q, k, v, lengths):
+    return attend(q, k, v, mask=padded_mask(lengths, q.shape[2]))
+
+
+PLANTED = {  # bug -> (exercise, the reader's wrong answer)
+    "scale_by_d": ("causal_attention", lambda q, k, v: attend(q, k, v, scale=1 / q.shape[-1])),
+    "no_scale": ("causal_attention", lambda q, k, v: attend(q, k, v, scale=1.0)),
+    "softmax_over_queries": (
+        "causal_attention",
+        lambda q, k, v: (
+            (q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5)
+            .masked_fill(~causal_mask(q.shape[2], q.shape[2]), float("-inf"))
+            .softmax(dim=-2)
+            @ v
+        ),
+    ),
+    "mask_after_softmax": ("causal_attention", lambda q, k, v: mask_after(q, k, v, False)),
+    "mask_after_softmax_renormalised": (
+        "causal_attention",
+        lambda q, k, v: mask_after(q, k, v, True),
+    ),
+    "mask_inverted": (
+        "causal_attention",
+        lambda q, k, v: attend(q, k, v, mask=~causal_mask(q.shape[2], q.shape[2])),
+    ),
+    "mask_hides_diagonal": ("causal_attention", hides_diagonal),
+    "reshape_without_transpose": (
+        "split_heads",
+        lambda x, h: x.reshape(x.shape[0], h, x.shape[1], -1),
+    ),
+    "transpose_wrong_axes": (
+        "split_heads",
+        lambda x, h: x.transpose(1, 2).reshape(x.shape[0], h, x.shape[1], -1),
+    ),
+    "top_left_mask": ("decode_attention", causal_sdpa),
+    "cache_not_read": ("kv_cache_decode", lambda q, k, v, kc, vc: attend(q, k, v)),
+    "repeat_not_interleave": (
+        "grouped_query_attention",
+        lambda q, k, v: F.scaled_dot_product_attention(
+            q,
+            k.repeat(1, q.shape[1] // k.shape[1], 1, 1),
+            v.repeat(1, q.shape[1] // k.shape[1], 1, 1),
+            is_causal=True,
+        ),
+    ),
+    "rope_interleaved_pairs": ("rope", rope_pairs),
+    "rope_rotate_half_pairs": ("rope_interleaved", rope_half),
+    "rope_positions_off_by_one": ("rope", lambda x, p: rope_half(x, p + 1)),
+    "rope_on_v": (
+        "rope_attention",
+        lambda q, k, v, p: rope_attention(q, k, rope_half(v, p), p),
+    ),
+    "online_sum_not_rescaled": ("online_softmax", lambda s, v, b: online(s, v, b, False, True)),
+    "online_output_not_rescaled": (
+        "online_softmax",
+        lambda s, v, b: online(s, v, b, True, False),
+    ),
+    "backward_without_delta": ("attention_backward", lambda *a: backward(*a, delta=False)),
+    "pads_not_masked": ("padded_attention", lambda q, k, v, lengths: attend(q, k, v)),
+    "masked_row_nan": ("padded_attention", padded_nan),
+}
+
+TIMES = {}
+
+# ---- each bug is caught and named -------------------------------------------------------------
+
+
+def test_every_bug_is_planted_and_listed():
+    assert set(PLANTED) == set(BUGS)
+    listed = [bug for ex in EXERCISES.values() for bug in ex.bugs]
+    assert sorted(listed) == sorted(BUGS)
+    for bug in BUGS.values():
+        assert bug.link.startswith("../notebooks/") and bug.link.endswith(".ipynb")
+
+
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_each_planted_bug_is_named(bug, capsys):
+    exercise, wrong = PLANTED[bug]
+    result = check(exercise, wrong)
+    line = capsys.readouterr().out
+    assert not result.passed
+    assert result.diagnosis == bug, result.message
+    assert f"`{bug}`" in result.message and BUGS[bug].link in result.message
+    assert line.count("\n") == 1 and "Traceback" not in line
+
+
+def test_no_two_bugs_look_alike():
+    """On an exercise's cases each wrong version of the bank reproduces itself and nothing else."""
+    for ex in EXERCISES.values():
+        cases = ex.cases()
+        for bug in ex.bugs:
+            outs = [ex_mod._as_tuple(ex_mod._WRONG[bug](*c.args)) for c in cases]
+            assert not all(
+                ex_mod._close(o, ex_mod._as_tuple(ex.reference(*c.args)))
+                for c, o in zip(cases, outs)
+            ), bug
+            alike = [
+                other
+                for other in ex.bugs
+                if all(
+                    ex_mod._close(o, ex_mod._as_tuple(ex_mod._WRONG[other](*c.args)), True)
+                    for c, o in zip(cases, outs)
+                )
+            ]
+            assert alike == [bug]
+
+
+# ---- no false diagnosis: correct answers in many styles, over random shapes -------------------
+
+
+def gen_args(name, seed, b, h, g, t, extra, d):
+    """Arguments for exercise `name` drawn from the given sizes; g: query heads per KV head."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    if name == "split_heads":
+        return randn(b, t, h * d), h
+    if name in ("causal_attention", "attention_backward"):
+        return tuple(randn(b, h, t, d) for _ in range(4 if name == "attention_backward" else 3))
+    if name == "decode_attention":
+        return randn(b, h, t, d), randn(b, h, t + extra, d), randn(b, h, t + extra, d)
+    if name == "kv_cache_decode":
+        return (*(randn(b, h, 1, d) for _ in range(3)), *(randn(b, h, extra + 1, d) for _ in "kv"))
+    if name == "grouped_query_attention":
+        return randn(b, h * g, t, d), randn(b, h, t, d), randn(b, h, t, d)
+    positions = torch.arange(extra, extra + t)
+    if name in ("rope", "rope_interleaved"):
+        return randn(b, h, t, 2 * d), positions
+    if name == "rope_attention":
+        return (*(randn(b, h, t, 2 * d) for _ in range(3)), positions)
+    if name == "online_softmax":
+        return randn(t, t + extra) * 3, randn(t + extra, d), g
+    if name == "padded_attention":
+        lengths = torch.randint(0, t + 1, (b,), generator=gen).tolist()
+        return (*(randn(b, h, t, d) for _ in range(3)), lengths)
+    raise AssertionError(name)
+
+
+shapes = st.tuples(
+    st.integers(0, 2**16),
+    st.integers(1, 3),  # B
+    st.integers(1, 3),  # H (KV heads)
+    st.integers(1, 3),  # query heads per KV head; the block of the online softmax
+    st.integers(1, 7),  # T
+    st.integers(0, 5),  # extra keys, or the first position
+    st.integers(1, 8),  # D (half of it for RoPE)
+)
+
+
+@pytest.mark.parametrize("name", sorted(CORRECT))
+@settings(max_examples=5, deadline=None)
+@given(sizes=shapes)
+def test_correct_answers_pass_without_diagnosis(name, sizes):
+    args = gen_args(name, *sizes)
+    for fn in CORRECT[name]:
+        result = check(name, fn, extra=[args])
+        assert result.passed and result.diagnosis is None, (fn.__name__, result.message)
+
+
+def test_seeded_cases_pass_every_style():
+    for name, fns in CORRECT.items():
+        for fn in fns:
+            start = time.perf_counter()
+            result = check(name, fn)
+            TIMES.setdefault(name, time.perf_counter() - start)
+            assert result.passed and result.diagnosis is None, (name, fn.__name__, result.message)
+
+
+# ---- malformed answers get words, never a traceback -------------------------------------------
+
+
+def raises(q, k, v):
+    raise RuntimeError("shapes do not match")
+
+
+def not_implemented(q, k, v):
+    raise NotImplementedError
+
+
+def in_place(q, k, v):
+    q /= q.shape[-1] ** 0.5
+    return attend(q, k, v, scale=1.0)
+
+
+def with_nan(q, k, v):
+    out = attend(q, k, v).clone()
+    out[..., -1, 1] = float("nan")
+    return out
+
+
+def leaks(q, k, v):  # no mask at all: future keys get weight
+    return torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, -1) @ v
+
+
+def half_weights(q, k, v):  # rows sum to 0.5
+    return attend(q, k, v) / 2
+
+
+@pytest.mark.parametrize(
+    "fn, words",
+    [
+        (raises, "raised RuntimeError: shapes do not match"),
+        (not_implemented, "not implemented yet"),
+        (lambda q, k, v: q.transpose(1, 2), "has shape"),
+        (lambda q, k, v: q[..., :1], "has shape"),
+        (lambda q, k, v: attend(q, k, v).tolist(), "expected a torch.Tensor"),
+        (lambda q, k, v: None, "got NoneType"),
+        (lambda q, k, v: (q, k), "got tuple"),
+        (lambda q, k, v: q.long(), "floating-point"),
+        (in_place, "changed its input `q` in place"),
+        (with_nan, "has NaN, first at [0, 0, 4, 1]"),
+        (leaks, "which it must not see"),
+        (half_weights, "sum to 0.5, not 1"),
+        (lambda q, k, v: attend(q, k, v) + 0.01, "first wrong entry: out[0, 0, 0, 0]"),
+        ("not a function", "expected a function"),
+    ],
+)
+def test_malformed_answers_get_a_message(fn, words, capsys):
+    result = check("causal_attention", fn)
+    out = capsys.readouterr().out
+    assert not result.passed and result.diagnosis is None
+    assert words in result.message, result.message
+    assert out.count("\n") == 1 and "Traceback" not in out
+
+
+def test_malformed_tuple_answers():
+    result = check("attention_backward", lambda q, k, v, d: (q, k))
+    assert "expected a tuple of 3 tensors" in result.message
+    result = check("attention_backward", lambda q, k, v, d: (q, k, v[..., :2]))
+    assert "dv has shape" in result.message
+
+
+def test_stubs_say_not_implemented():
+    def stub(*args):
+        raise NotImplementedError("write this")
+
+    for name in EXERCISES:
+        result = check(name, stub)
+        assert not result.passed and "not implemented yet" in result.message
+
+
+def test_timings_under_two_seconds():
+    for name, fns in CORRECT.items():
+        start = time.perf_counter()
+        check(name, fns[0])
+        TIMES[name] = time.perf_counter() - start
+    print("\ncheck time per exercise:")
+    for name, seconds in TIMES.items():
+        print(f"  {name:26s} {seconds * 1000:7.1f} ms")
+
+
+def test_import_is_light():
+    code = (
+        "import sys, attnlib.lab.exercises; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'matplotlib')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
