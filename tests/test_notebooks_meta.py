@@ -395,3 +395,16 @@ def test_the_machinery_check_catches_planted_words_and_spares_the_given_marker()
         "a link to the corrections",
     ]
     assert machinery_words("Attention, then a <div>.") == ["HTML"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=notebook_id)
+def test_printed_lines_fit_the_page(path):
+    """A printed line over 80 characters scrolls sideways in the book's 80-column cells."""
+    wide = [
+        (number, line[:60])
+        for number, cell in enumerate(cells(path))
+        for text in text_outputs(cell)
+        for line in text.splitlines()
+        if len(line) > 80 and not line.startswith("<")  # HTML reprs wrap by themselves
+    ]
+    assert not wide, f"printed lines over 80 characters (cell, start): {wide}"
