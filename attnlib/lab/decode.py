@@ -9,6 +9,12 @@ import torch
 from ..cost import _count, attention_flops
 
 
+def _check_groups(q_heads: int, kv_heads: int) -> None:
+    """Raise ValueError unless the query heads are a multiple of the KV heads (eq. 9.1)."""
+    if _count("q_heads", q_heads, 1) % _count("kv_heads", kv_heads, 1):
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
+
+
 def kv_cache_bytes(
     tokens: int,
     layers: int,
@@ -44,8 +50,7 @@ def kv_intensity(
     attention_flops over kv_cache_bytes: 4*T*S*D*Hq / (2*S*D*Hkv*itemsize) = (2T/itemsize)(Hq/Hkv).
     """
     _count("queries", queries, 1), _count("keys", keys, 1)
-    if _count("q_heads", q_heads, 1) % _count("kv_heads", kv_heads, 1):
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
+    _check_groups(q_heads, kv_heads)
     flops = attention_flops(queries, keys, head_dim, heads=q_heads)
     return flops / kv_cache_bytes(keys, 1, kv_heads, head_dim, dtype)
 
@@ -66,8 +71,7 @@ def step_bytes(
     left out: a fused kernel keeps them in registers and caches.
     """
     _count("queries", queries, 1), _count("keys", keys, 1), _count("head_dim", head_dim, 1)
-    if _count("q_heads", q_heads, 1) % _count("kv_heads", kv_heads, 1):
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
+    _check_groups(q_heads, kv_heads)
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_kv = _count("batch", batch, 1) * kv_heads * keys * head_dim * itemsize
     per_q = batch * q_heads * queries * head_dim * itemsize
