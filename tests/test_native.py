@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import attnlib
 from attnlib import native
+from attnlib.lab import compiled
 from attnlib.native import native_attention
 
 LANGUAGES = ["cpp", "rust"]
@@ -161,18 +162,18 @@ def test_other_flags_build_a_second_library_with_the_same_numbers(tmp_path, monk
 
 
 def test_the_reorder_build_spreads_the_dot_product_over_the_lanes():
-    """native.REORDER is the permission the dot product's sum needs (chapter 11)."""
+    """compiled.REORDER is the permission the dot product's sum needs (chapter 11)."""
     need("cpp")
     version = subprocess.run(["g++", "-dumpversion"], capture_output=True, text=True)
     if int(version.stdout.split(".")[0]) < 12:
         pytest.skip("the notes checked here are g++ 12's")
-    assert native.gcc_loop_notes("-O3")["dot product"][:2] == [
+    assert compiled.gcc_loop_notes("-O3")["dot product"][:2] == [
         "16-byte vectors",
         "sum in source order",
     ]
-    reordered = native.gcc_loop_notes(f"-O3 {native.REORDER}")
+    reordered = compiled.gcc_loop_notes(f"-O3 {compiled.REORDER}")
     assert "sum spread over the lanes" in reordered["dot product"]
-    assert native.gcc_loop_notes("-O2")["weighted sum"] == [
+    assert compiled.gcc_loop_notes("-O2")["weighted sum"] == [
         "scalar",
         "would need a run-time overlap check",
     ]
@@ -187,7 +188,7 @@ def test_the_reorder_build_is_close_but_not_bit_equal(tmp_path, monkeypatch):
         q = torch.randn(64, 2 * 64, generator=generator)  # [T, Hq*D]
         k, v = torch.randn(2, 64, 64, generator=generator)  # [S, Hkv*D]: 1 KV head
         default = native_attention(q, k, v, 2, 1)
-        reordered = native_attention(q, k, v, 2, 1, flags=f"-O3 {native.REORDER} -shared -fPIC")
+        reordered = native_attention(q, k, v, 2, 1, flags=f"-O3 {compiled.REORDER} -shared -fPIC")
         assert not torch.equal(default, reordered)
         torch.testing.assert_close(default, reordered, atol=1e-5, rtol=0)
     finally:
@@ -198,13 +199,13 @@ def test_axpy_takes_the_overlap_check_away_from_the_rust_weighted_sum():
     """rustc marks reference parameters noalias: in `axpy` the loop needs no run-time check;
     written inline in `attention`'s body, it does."""
     need("rust")
-    notes = native.rust_loop_notes()
+    notes = compiled.rust_loop_notes()
     assert notes == {"dot product": ["scalar"], "weighted sum": ["16-byte vectors"]}
-    book = (native.Path(native.__file__).parent / "csrc" / "attention.rs").read_text()
+    book = (compiled.CSRC / "attention.rs").read_text()
     loop = "for (o, x) in row.iter_mut().zip(value) { *o += weight * x; }"
     inline = book.replace("axpy(row, value, weight);", loop)
     assert inline != book
-    assert native.rust_loop_notes(inline)["weighted sum"] == [
+    assert compiled.rust_loop_notes(inline)["weighted sum"] == [
         "16-byte vectors",
         "overlap checked at run time",
     ]
@@ -216,12 +217,12 @@ def test_axpy_takes_the_overlap_check_away_from_the_rust_weighted_sum():
 def test_only_fast_math_flushes_subnormals_in_the_loading_process(tmp_path, monkeypatch):
     need("cpp")
     monkeypatch.setenv("ATTNLIB_CACHE", str(tmp_path))
-    reorder = native.library("cpp", f"-O3 {native.REORDER} -shared -fPIC")
-    before, after = native.subnormal_product(reorder)
+    reorder = native.library("cpp", f"-O3 {compiled.REORDER} -shared -fPIC")
+    before, after = compiled.subnormal_product(reorder)
     assert before == after != 0  # the subnormal survives
     version = subprocess.run(["g++", "-dumpversion"], capture_output=True, text=True)
     fast = native.library("cpp", "-O3 -ffast-math -shared -fPIC")
-    before, after = native.subnormal_product(fast)
+    before, after = compiled.subnormal_product(fast)
     assert before != 0
     assert (after == 0) == (int(version.stdout.split(".")[0]) < 13)  # crtfastmath.o
 
@@ -229,6 +230,6 @@ def test_only_fast_math_flushes_subnormals_in_the_loading_process(tmp_path, monk
 def test_build_seconds_leaves_the_cache_alone(tmp_path, monkeypatch):
     need("cpp")
     monkeypatch.setenv("ATTNLIB_CACHE", str(tmp_path))
-    first, cached = native.build_seconds("cpp")
+    first, cached = compiled.build_seconds("cpp")
     assert 0 < cached < first
     assert list(tmp_path.iterdir()) == []  # built in a temporary cache of its own
