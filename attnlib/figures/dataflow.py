@@ -70,21 +70,12 @@ def _arrow(ax, start, end, text="", offset=(0.0, 0.25)):
         ax.text(*middle, text, ha="center", va="bottom", fontsize=8, color="0.15")
 
 
-def dataflow(X, Q, K, V, Z, A, out, token_labels=None, ax=None):
-    """Draw eq. 2.1 and 2.2 as a data flow, with every matrix's values and shape.
-
-    X [T, d_model] is projected to Q [T, d_k], K [S, d_k] and V [S, d_v] (eq. 2.1); the scores
-    Z = Q K^T / sqrt(d_k) are [T, S], the weights A = softmax over each row of Z are [T, S],
-    and the output A V is [T, d_v] (eq. 2.2). Returns the Axes.
-    """
-    T, d_model = _check_shapes(X, Q, K, V, Z, A, out)
-    S, d_k, d_v = K.shape[0], Q.shape[1], V.shape[1]
-    if ax is None:
-        _, ax = plt.subplots(figsize=(10.0, 4.6))
+def _projections(ax, X, Q, K, V):
+    """Column 1: X [T, d_model]; column 2: Q [T, d_k], K [S, d_k] and V [S, d_v], stacked,
+    each with an arrow from X and its weight's shape. Returns X's box and the boxes by name."""
+    (T, d_model), S, d_k, d_v = X.shape, K.shape[0], Q.shape[1], V.shape[1]
     tall = max(T, S) * CELL
     gap = 1.6
-
-    # Column 1: the input. Column 2: the three projections, stacked.
     centre = -(3 * tall + 2 * gap) / 2
     x_box = _matrix(ax, X, 0.0, centre + T * CELL / 2, SIGNED, f"X\n[{T}, {d_model}]", True)
     col2 = x_box[0] + x_box[2] + 2.6
@@ -109,10 +100,13 @@ def dataflow(X, Q, K, V, Z, A, out, token_labels=None, ax=None):
             fontsize=8,
             color="0.15",
         )
+    return x_box, boxes
 
-    # Column 3: scores from Q and K; column 4: weights; column 5: output from A and V.
-    q_box, k_box, v_box = boxes["Q"], boxes["K"], boxes["V"]
-    col3 = col2 + max(d_k, d_v) * CELL + 2.0
+
+def _scores_and_weights(ax, Z, A, q_box, k_box, col3):
+    """Column 3: the scores Z [T, S], with arrows from Q and K; column 4: the weights A [T, S].
+    Returns the boxes of Z and A."""
+    T, S = Z.shape
     z_top = (q_box[1] + k_box[1] + k_box[3]) / 2 + Z.shape[0] * CELL / 2
     z_box = _matrix(
         ax, Z, col3, z_top, SIGNED, f"scores $Z = QK^T/\\sqrt{{d_k}}$\n[{T}, {S}]", True
@@ -123,11 +117,18 @@ def dataflow(X, Q, K, V, Z, A, out, token_labels=None, ax=None):
     col4 = col3 + z_box[2] + 2.6
     a_box = _matrix(ax, A, col4, z_top, CMAP, f"weights $A$\n[{T}, {S}]", False)
     _arrow(ax, (col3 + z_box[2] + 0.1, z_mid), (col4 - 0.1, z_mid), "softmax\nof each row")
-    col5 = col4 + a_box[2] + 2.6
+    return z_box, a_box
+
+
+def _output(ax, out, a_box, v_box, z_mid):
+    """Column 5: the output AV [T, d_v], with arrows from A (at height z_mid) and V.
+    Returns its box."""
+    T, d_v = out.shape
+    col5 = a_box[0] + a_box[2] + 2.6
     o_top = (a_box[1] + v_box[1] + v_box[3]) / 2 + out.shape[0] * CELL / 2
     o_box = _matrix(ax, out, col5, o_top, SIGNED, f"output $AV$\n[{T}, {d_v}]", True)
     o_mid = o_box[1] + o_box[3] / 2
-    _arrow(ax, (col4 + a_box[2] + 0.1, z_mid), (col5 - 0.1, o_mid))
+    _arrow(ax, (a_box[0] + a_box[2] + 0.1, z_mid), (col5 - 0.1, o_mid))
     _arrow(ax, (v_box[0] + v_box[2] + 0.1, v_box[1] + v_box[3] / 2), (col5 - 0.1, o_mid))
     ax.text(
         col5 - 1.3,
@@ -138,19 +139,40 @@ def dataflow(X, Q, K, V, Z, A, out, token_labels=None, ax=None):
         fontsize=8,
         color="0.15",
     )
+    return o_box
 
+
+def _token_labels(ax, token_labels, x_box, T):
+    """Write the first T token labels left of X's rows."""
+    for i, word in enumerate(token_labels[:T]):
+        ax.text(
+            -0.1,
+            x_box[1] + x_box[3] - (i + 0.5) * CELL,
+            word,
+            ha="right",
+            va="center",
+            fontsize=8,
+        )
+
+
+def dataflow(X, Q, K, V, Z, A, out, token_labels=None, ax=None):
+    """Draw eq. 2.1 and 2.2 as a data flow, with every matrix's values and shape.
+
+    X [T, d_model] is projected to Q [T, d_k], K [S, d_k] and V [S, d_v] (eq. 2.1); the scores
+    Z = Q K^T / sqrt(d_k) are [T, S], the weights A = softmax over each row of Z are [T, S],
+    and the output A V is [T, d_v] (eq. 2.2). Returns the Axes.
+    """
+    T, _ = _check_shapes(X, Q, K, V, Z, A, out)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10.0, 4.6))
+    x_box, boxes = _projections(ax, X, Q, K, V)
+    col3 = boxes["Q"][0] + max(Q.shape[1], V.shape[1]) * CELL + 2.0
+    z_box, a_box = _scores_and_weights(ax, Z, A, boxes["Q"], boxes["K"], col3)
+    o_box = _output(ax, out, a_box, boxes["V"], z_box[1] + z_box[3] / 2)
     if token_labels is not None:
-        for i, word in enumerate(token_labels[:T]):
-            ax.text(
-                -0.1,
-                x_box[1] + x_box[3] - (i + 0.5) * CELL,
-                word,
-                ha="right",
-                va="center",
-                fontsize=8,
-            )
-    ax.set_xlim(-1.6 if token_labels is not None else -0.3, col5 + o_box[2] + 0.3)
-    ax.set_ylim(v_box[1] - 0.4, 1.5)
+        _token_labels(ax, token_labels, x_box, T)
+    ax.set_xlim(-1.6 if token_labels is not None else -0.3, o_box[0] + o_box[2] + 0.3)
+    ax.set_ylim(boxes["V"][1] - 0.4, 1.5)
     ax.set_aspect("equal")
     ax.axis("off")
     ax.set_title(

@@ -52,6 +52,48 @@ def _grid(ax, grid, left, top, title):
     ax.text(left + cols / 2, top + 0.4, title, ha="center", va="bottom", fontsize=8)
 
 
+def _draw_splits(ax, right, wrong, top: float, gap: float):
+    """Draw right and wrong, each [H, T, D, 2], side by side from `top`: one [T, D] block per
+    head, split_heads on the left, the bare reshape on the right, each under its heading."""
+    heads, width = right.shape[0], right.shape[2]
+    block = width + gap
+    for h in range(heads):
+        _grid(ax, right[h], h * block, top, f"head {h}")
+        _grid(ax, wrong[h], (heads + 1) * block + h * block - gap, top, f"'head {h}'")
+    ax.text(
+        heads * block / 2 - gap / 2,
+        top + 1.5,
+        "split_heads: reshape, then transpose",
+        ha="center",
+        fontsize=9,
+        weight="bold",
+    )
+    ax.text(
+        (heads + 1) * block - gap + heads * block / 2 - gap / 2,
+        top + 1.5,
+        "reshape(H, T, D) alone",
+        ha="center",
+        fontsize=9,
+        weight="bold",
+    )
+
+
+def _head_legend(ax, heads: int):
+    """One coloured square per head, at the upper right."""
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, facecolor=HEAD_COLOURS[h % len(HEAD_COLOURS)])
+        for h in range(heads)
+    ]
+    ax.legend(
+        handles,
+        [f"belongs to head {h}" for h in range(heads)],
+        loc="upper right",
+        fontsize=8,
+        frameon=False,
+        bbox_to_anchor=(1.0, 1.0),
+    )
+
+
 def plot_transpose_trap(tokens: int = 6, heads: int = 3, width: int = 4, ax=None):
     """The memory of a [T, H*D] tensor, and the H blocks that each way of splitting makes of it.
 
@@ -73,39 +115,9 @@ def plot_transpose_trap(tokens: int = 6, heads: int = 3, width: int = 4, ax=None
     )
     # Below: right and wrong splits, one [T, D] block per head.
     top = -tokens - 2.5
-    block = width + gap
-    for h in range(heads):
-        _grid(ax, right[h], h * block, top, f"head {h}")
-        _grid(ax, wrong[h], (heads + 1) * block + h * block - gap, top, f"'head {h}'")
-    ax.text(
-        heads * block / 2 - gap / 2,
-        top + 1.5,
-        "split_heads: reshape, then transpose",
-        ha="center",
-        fontsize=9,
-        weight="bold",
-    )
-    ax.text(
-        (heads + 1) * block - gap + heads * block / 2 - gap / 2,
-        top + 1.5,
-        "reshape(H, T, D) alone",
-        ha="center",
-        fontsize=9,
-        weight="bold",
-    )
-    handles = [
-        plt.Rectangle((0, 0), 1, 1, facecolor=HEAD_COLOURS[h % len(HEAD_COLOURS)])
-        for h in range(heads)
-    ]
-    ax.legend(
-        handles,
-        [f"belongs to head {h}" for h in range(heads)],
-        loc="upper right",
-        fontsize=8,
-        frameon=False,
-        bbox_to_anchor=(1.0, 1.0),
-    )
-    ax.set_xlim(-0.5, (2 * heads + 1) * block)
+    _draw_splits(ax, right, wrong, top, gap)
+    _head_legend(ax, heads)
+    ax.set_xlim(-0.5, (2 * heads + 1) * (width + gap))
     ax.set_ylim(top - tokens - 0.5, 1.8)
     ax.set_aspect("equal")
     ax.axis("off")

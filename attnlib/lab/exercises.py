@@ -703,9 +703,11 @@ def _probe_finding(fn, name):
     return None
 
 
-def _diagnose(fn, name, ex: Exercise, cases, outs):
-    """The message for a wrong answer: a matching bug, else what is wrong and where."""
-    exps = [_as_tuple(ex.reference(*c.args)) for c in cases]
+def _shape_message(ex: Exercise, cases, outs, exps):
+    """The first output whose shape differs from the reference's, as a message; else None.
+
+    outs and exps hold one tuple of float64 tensors per case, in the order of ex.outputs.
+    """
     for c, o, e in zip(cases, outs, exps):
         for got, want, what in zip(o, e, ex.outputs):
             if got.shape != want.shape:
@@ -714,11 +716,16 @@ def _diagnose(fn, name, ex: Exercise, cases, outs):
                     if sorted(got.shape) == sorted(want.shape)
                     else ""
                 )
-                return None, (
+                return (
                     f"{what.split()[0]} has shape {list(got.shape)}, expected "
                     f"{list(want.shape)} = {what.split(' ', 1)[1]}{hint} "
                     f"(case {c.label})."
                 )
+    return None
+
+
+def _matching_bug(ex: Exercise, cases, outs):
+    """The first of ex.bugs whose wrong version gives these outputs on every case; else None."""
     matches = [
         bug
         for bug in ex.bugs
@@ -727,24 +734,48 @@ def _diagnose(fn, name, ex: Exercise, cases, outs):
             for c, o in zip(cases, outs)
         )
     ]
-    if matches:
-        bug = matches[0]
-        return bug, f"looks like `{bug}`: {BUGS[bug].explanation} See {BUGS[bug].link}"
+    return matches[0] if matches else None
+
+
+def _nan_message(ex: Exercise, cases, outs):
+    """Where the first NaN of the outputs is, as a message; else None."""
     for c, o in zip(cases, outs):
         for got, what in zip(o, ex.outputs):
             if got.isnan().any():
                 idx = [int(i) for i in _index(int(got.isnan().flatten().nonzero()[0]), got.shape)]
-                return None, (
+                return (
                     f"{what.split()[0]} has NaN, first at {idx} (case {c.label}); a softmax "
                     "over a row that is all -inf gives NaN."
                 )
-    found = _probe_finding(fn, name)
+    return None
+
+
+def _wrong_entry(ex: Exercise, cases, outs, exps):
+    """The first entry that differs from the reference (its index, value, expected); else None."""
     for c, o, e in zip(cases, outs, exps):
         for got, want, what in zip(o, e, ex.outputs):
             if not torch.allclose(got, want, RTOL, ATOL):
                 idx, g, w = _first_wrong(got, want)
-                text = f"{what.split()[0]}{idx} is {g:.4g}, expected {w:.4g} (case {c.label})."
-                return None, f"{found}; first wrong entry: {text}" if found else text
+                return f"{what.split()[0]}{idx} is {g:.4g}, expected {w:.4g} (case {c.label})."
+    return None
+
+
+def _diagnose(fn, name, ex: Exercise, cases, outs):
+    """The message for a wrong answer: a matching bug, else what is wrong and where."""
+    exps = [_as_tuple(ex.reference(*c.args)) for c in cases]
+    shape = _shape_message(ex, cases, outs, exps)
+    if shape:
+        return None, shape
+    bug = _matching_bug(ex, cases, outs)
+    if bug:
+        return bug, f"looks like `{bug}`: {BUGS[bug].explanation} See {BUGS[bug].link}"
+    nan = _nan_message(ex, cases, outs)
+    if nan:
+        return None, nan
+    found = _probe_finding(fn, name)
+    text = _wrong_entry(ex, cases, outs, exps)
+    if text:
+        return None, f"{found}; first wrong entry: {text}" if found else text
     return None, found or "the output differs from the reference."
 
 
