@@ -305,6 +305,15 @@ def test_every_bug_is_planted_and_listed():
         assert bug.link.startswith("../notebooks/") and bug.link.endswith(".ipynb")
 
 
+def assert_one_verdict(printed: str, exercise: str):
+    """One verdict, wrapped at the page's 80 columns: its first line names the exercise, the
+    lines after it are indented continuations, and no traceback."""
+    lines = printed.splitlines()
+    assert lines[0].startswith(f"{exercise}: ") and "Traceback" not in printed
+    assert all(line.startswith("  ") for line in lines[1:])
+    assert all(len(line) <= 80 for line in lines), lines
+
+
 @pytest.mark.parametrize("bug", sorted(BUGS))
 def test_each_planted_bug_is_named(bug, capsys):
     exercise, wrong = PLANTED[bug]
@@ -313,7 +322,7 @@ def test_each_planted_bug_is_named(bug, capsys):
     assert not result.passed
     assert result.diagnosis == bug, result.message
     assert f"`{bug}`" in result.message and BUGS[bug].link in result.message
-    assert line.count("\n") == 1 and "Traceback" not in line
+    assert_one_verdict(line, exercise)
 
 
 def test_no_two_bugs_look_alike():
@@ -454,7 +463,7 @@ def test_malformed_answers_get_a_message(fn, words, capsys):
     out = capsys.readouterr().out
     assert not result.passed and result.diagnosis is None
     assert words in result.message, result.message
-    assert out.count("\n") == 1 and "Traceback" not in out
+    assert_one_verdict(out, "causal_attention")
 
 
 def test_malformed_tuple_answers():

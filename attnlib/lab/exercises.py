@@ -7,6 +7,7 @@ reader's output, to tolerance, on every case. `EXERCISES` lists the exercises an
 """
 
 import math
+import textwrap
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -807,7 +808,8 @@ def check(name: str, fn: Callable, extra=()) -> Result:
         message = str(fail)
     except Exception as err:  # the checker itself must never hand the reader a traceback
         message = f"could not check this answer ({type(err).__name__}: {err})."
-    print(f"{name}: {'passed' if passed else 'not yet'}: {message}")
+    verdict = f"{name}: {'passed' if passed else 'not yet'}: {message}"
+    print(textwrap.fill(verdict, 80, subsequent_indent="  "))  # the page's 80 columns
     return Result(passed, diagnosis, message)
 
 
