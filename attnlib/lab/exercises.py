@@ -144,7 +144,7 @@ BUGS = {
         _link("14_tiling"),
     ),
     "backward_without_delta": Bug(
-        "dS = P * (dP - delta) needs the row-sum term delta_i = dO_i . O_i; without it dq and dk "
+        "dZ = P * (dP - delta) needs the row-sum term delta_i = dO_i . O_i; without it dq and dk "
         "are wrong (dv is right).",
         _link("15_backward"),
     ),
