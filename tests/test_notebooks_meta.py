@@ -346,7 +346,7 @@ MACHINERY = [
     (re.compile(r"\bhypothesis\b", re.I), "hypothesis"),
     (re.compile(r"\btests?/\w|\btest_\w+", re.I), "a test file"),
     (re.compile(r"\bexit (?:code|status)\b", re.I), "an exit code"),
-    (re.compile(r"<(?!span class=\"given\">|/span>)/?[a-z][a-z0-9]*\b[^>]*>|&lt;\w", re.I), "HTML"),
+    (re.compile(r"</?[a-z][a-z0-9]*\b[^>]*>|&lt;\w", re.I), "HTML"),
     (re.compile(r"`[^`]*<[a-z/][^`]*`", re.I), "HTML"),
     (re.compile(r"\bthe (?:seed|source text|source chapters?|draft)s?\b", re.I), "the source"),
     (re.compile(r"\berrat(?:a|um)\b|\bcorrections? to the source\b", re.I), "the corrections"),
@@ -356,7 +356,7 @@ MACHINERY = [
 
 def machinery_words(markdown: str) -> list:
     """The machinery words a chapter's Markdown shows its reader (code blocks included)."""
-    return [name for pattern, name in MACHINERY if pattern.search(markdown)]
+    return list(dict.fromkeys(name for pattern, name in MACHINERY if pattern.search(markdown)))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=notebook_id)
@@ -372,8 +372,8 @@ def test_chapter_prose_speaks_to_the_reader(path):
     )
 
 
-def test_the_machinery_check_catches_planted_words_and_spares_the_given_marker():
-    assert machinery_words('It was <span class="given">0.139</span> here.') == []
+def test_the_machinery_check_catches_planted_words():
+    assert machinery_words('It was <span class="given">0.139</span> here.') == ["HTML"]
     assert machinery_words("A random seed of 0, a head count and a hypothesis-free claim.") == [
         "hypothesis"
     ]
@@ -387,7 +387,7 @@ def test_the_machinery_check_catches_planted_words_and_spares_the_given_marker()
         "a test file",
         "an exit code",
     ]
-    assert machinery_words('Mark it <span class="given">.') == []
+    assert machinery_words("Scores of 4 < 5 and 6 > 2 are no markup.") == []
     assert machinery_words('Write `<span class="given">` around it.') == ["HTML"]
     assert machinery_words("The source text has an erratum; see [it](../book/errata.md).") == [
         "the source",
