@@ -14,10 +14,12 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ..attention import causal_attention
+from ..cost import attention_flops
 from ..heads import split_heads
 from ..masks import left_padding
 from ..rope import apply_rope, rope_cos_sin
 from ..softmax import softmax
+from .decode import kv_cache_bytes
 
 RTOL, ATOL = 1e-3, 1e-4  # float32 answers against float64 references
 CHAPTER = "../notebooks/{}.ipynb"
@@ -157,6 +159,85 @@ BUGS = {
         "A query that sees no key (a pad) gives NaN: softmax over a row of -inf is 0/0. Such a "
         "row must output zeros.",
         _link("05_causal_masking"),
+    ),
+    "plain_sum_weights": Bug(
+        "The scores were divided by their sum instead of passed through the softmax: negative "
+        "scores give negative weights, and a row whose scores sum to nearly 0 explodes.",
+        _link("01_context"),
+    ),
+    "weights_over_columns": Bug(
+        "The softmax ran down the columns (dim=0), so each key's weights sum to 1 and each "
+        "token's do not; normalise along each row, over the tokens a token looks at.",
+        _link("01_context"),
+    ),
+    "keys_projected_by_w_q": Bug(
+        "The keys were made with W_Q, so the scores are q_i . q_j: symmetric again, as without "
+        "projections; keys need their own matrix W_K.",
+        _link("02_queries_keys_values"),
+    ),
+    "scale_by_value_width": Bug(
+        "The scores were divided by sqrt(d_v), the width of the values; the dot products are "
+        "d_k wide, so the scale is 1/sqrt(d_k).",
+        _link("02_queries_keys_values"),
+    ),
+    "scale_by_key_count": Bug(
+        "The scores were divided by sqrt(S), the number of keys; the variance of a dot product "
+        "grows with its width D, so the scale is 1/sqrt(D).",
+        _link("03_scaling"),
+    ),
+    "jacobian_diagonal_only": Bug(
+        "Only the diagonal a_i (1 - a_i) is there: every weight depends on every score, so the "
+        "off-diagonal entries -a_i a_j belong too.",
+        _link("04_softmax_jacobian"),
+    ),
+    "jacobian_sign_of_outer": Bug(
+        "The outer product was added: the Jacobian is diag(a) - a a^T, and with the + its rows "
+        "no longer sum to 0.",
+        _link("04_softmax_jacobian"),
+    ),
+    "softmax_without_max": Bug(
+        "exp(z) overflows for scores above about 88 in float32 (709 in float64) and inf/inf is "
+        "NaN; subtract each row's maximum before exp.",
+        _link("04_softmax_jacobian"),
+    ),
+    "cache_bytes_with_query_heads": Bug(
+        "The count used the query heads H_q; the cache holds keys and values of the H_kv "
+        "key/value heads only.",
+        _link("10_decoding"),
+    ),
+    "cache_bytes_keys_only": Bug(
+        "Only the keys were counted; every token leaves a key and a value, hence the factor 2.",
+        _link("10_decoding"),
+    ),
+    "rmsnorm_eps_outside_sqrt": Bug(
+        "The epsilon was added after the square root: RMSNorm divides by sqrt(mean(x^2) + eps), "
+        "with eps inside.",
+        _link("12_qwen3_lab"),
+    ),
+    "rmsnorm_over_all_heads": Bug(
+        "The mean of squares ran over all the heads' features (H * D); Qwen3's q_norm and k_norm "
+        "normalise each head's D features on their own.",
+        _link("12_qwen3_lab"),
+    ),
+    "flops_one_product": Bug(
+        "Only the scores Q K^T were counted; the output A V is a second product of the same "
+        "size, 2 T S D_v more.",
+        _link("13_cost"),
+    ),
+    "flops_causal_half": Bug(
+        "The causal count took half the pairs, T S / 2; query i sees S - T + i + 1 keys, so the "
+        "visible pairs number T S - T (T - 1) / 2.",
+        _link("13_cost"),
+    ),
+    "induction_same_token": Bug(
+        "This is the weight on the earlier occurrence of the query's own token (key i - o): a "
+        "duplicate-token score. An induction head looks one further, at key i - o + 1.",
+        _link("16_induction_heads"),
+    ),
+    "induction_over_all_queries": Bug(
+        "The mean ran over every query from position o - 1 on; the queries of eq. 16.2 are those "
+        "whose next token is a copy, i from o to T - 2.",
+        _link("16_induction_heads"),
     ),
 }
 
@@ -313,9 +394,98 @@ def _masked_row_nan(q, k, v, lengths):
     return out
 
 
+# ---- chapters 1-4, 10-13 and 16 ----------------------------------------------------------------
+
+
+def _ref_context(x):
+    x = x.double()
+    return softmax(x @ x.T) @ x
+
+
+def _plain_sum_context(x):
+    scores = x.double() @ x.double().T
+    return scores / scores.sum(-1, keepdim=True) @ x.double()
+
+
+def _columns_context(x):
+    x = x.double()
+    return softmax(x @ x.T, dim=0) @ x
+
+
+def _qkv(x, w_q, w_k, w_v, key_matrix=None, width=None):
+    x, w_q, w_k, w_v = _f64(x, w_q, w_k, w_v)
+    q, k = x @ w_q, x @ (w_k if key_matrix is None else key_matrix.double())
+    width = w_k.shape[1] if width is None else width
+    return softmax(q @ k.T / math.sqrt(width)) @ (x @ w_v)
+
+
+def _ref_scores(q, k, scale=None):
+    q, k = _f64(q, k)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return q @ k.transpose(-2, -1) * scale
+
+
+def _ref_jacobian(a):
+    a = a.double()
+    return torch.diag(a) - a[:, None] * a[None, :]
+
+
+def _ref_softmax(z):
+    return softmax(z.double())
+
+
+def _softmax_without_max(z):
+    e = z.float().exp()  # float32, as a reader's tensors are: overflows above about 88
+    return (e / e.sum(-1, keepdim=True)).double()
+
+
+_BYTES_DTYPES = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+
+
+def _ref_cache_bytes(batch, layers, q_heads, kv_heads, head_dim, tokens, bytes_per_number):
+    dtype = _BYTES_DTYPES[bytes_per_number]
+    return kv_cache_bytes(tokens, layers, kv_heads, head_dim, dtype, batch)
+
+
+def _ref_loops(q, k, v):
+    return _ref_causal(q[None, None], k[None, None], v[None, None])[0, 0]
+
+
+def _loops_without_max(q, k, v):
+    t, s = q.shape[0], k.shape[0]
+    e = (q.float() @ k.float().T / math.sqrt(q.shape[-1])).exp()  # float32: inf above 88
+    e = e.masked_fill(~_tril(t, s, s - t), 0.0)
+    return (e / e.sum(-1, keepdim=True)).double() @ v.double()
+
+
+def _ref_rmsnorm(x, weight, eps, over=1):
+    x = x.double()
+    squares = x.pow(2).flatten(-over).mean(-1)[(...,) + (None,) * over]
+    return x / torch.sqrt(squares + eps) * weight.double()
+
+
+def _rmsnorm_eps_outside(x, weight, eps):
+    x = x.double()
+    return x / (x.pow(2).mean(-1, keepdim=True).sqrt() + eps) * weight.double()
+
+
+def _ref_flops(batch, heads, queries, keys, head_dim, causal):
+    return attention_flops(queries, keys, head_dim, heads=heads, batch=batch, causal=causal)
+
+
+def _flops_causal_half(batch, heads, queries, keys, head_dim, causal):
+    pairs = queries * keys / 2 if causal else queries * keys
+    return 4 * pairs * head_dim * heads * batch
+
+
+def _induction(weights, offset, first=None, back=None):
+    """The mean over queries i = first .. T-2 of weights[:, i, i - back] (eq. 16.2's defaults)."""
+    first, back = offset if first is None else first, offset - 1 if back is None else back
+    i = torch.arange(first, weights.shape[-1] - 1)
+    return weights.double()[:, i, i - back].mean(-1)
+
+
 _WRONG = {
-    "scale_by_d": lambda q, k, v: _causal_bug(scale=1 / q.shape[-1])(q, k, v),
-    "no_scale": _causal_bug(scale=1.0),
     "softmax_over_queries": _causal_bug(dim=-2),
     "mask_after_softmax": _causal_bug(after="zero"),
     "mask_after_softmax_renormalised": _causal_bug(after="renormalise"),
@@ -323,7 +493,6 @@ _WRONG = {
     "mask_hides_diagonal": _mask_hides_diagonal,
     "reshape_without_transpose": _reshape_without_transpose,
     "transpose_wrong_axes": _transpose_wrong_axes,
-    "top_left_mask": _top_left,
     "cache_not_read": _cache_not_read,
     "repeat_not_interleave": _repeat_not_interleave,
     "rope_interleaved_pairs": _rope_interleaved,
@@ -335,7 +504,47 @@ _WRONG = {
     "backward_without_delta": _backward_without_delta,
     "pads_not_masked": _pads_not_masked,
     "masked_row_nan": _masked_row_nan,
+    "plain_sum_weights": _plain_sum_context,
+    "weights_over_columns": _columns_context,
+    "keys_projected_by_w_q": lambda x, w_q, w_k, w_v: _qkv(x, w_q, w_k, w_v, key_matrix=w_q),
+    "scale_by_value_width": lambda x, w_q, w_k, w_v: _qkv(x, w_q, w_k, w_v, width=w_v.shape[1]),
+    "scale_by_key_count": lambda q, k: _ref_scores(q, k, 1 / math.sqrt(k.shape[-2])),
+    "jacobian_diagonal_only": lambda a: torch.diag(a.double() * (1 - a.double())),
+    "jacobian_sign_of_outer": lambda a: torch.diag(a.double()) + torch.outer(a, a).double(),
+    "softmax_without_max": {
+        "stable_softmax": _softmax_without_max,
+        "attention_loops": _loops_without_max,
+    },
+    "top_left_mask": {
+        "decode_attention": _top_left,
+        "attention_loops": lambda q, k, v: _top_left(*(x[None, None] for x in (q, k, v)))[0, 0],
+    },
+    "scale_by_d": {
+        "causal_attention": lambda q, k, v: _causal_bug(scale=1 / q.shape[-1])(q, k, v),
+        "scaled_scores": lambda q, k: _ref_scores(q, k, 1 / q.shape[-1]),
+    },
+    "no_scale": {
+        "causal_attention": _causal_bug(scale=1.0),
+        "scaled_scores": lambda q, k: _ref_scores(q, k, 1.0),
+    },
+    "cache_bytes_with_query_heads": lambda b, n, hq, hkv, dh, s, nb: _ref_cache_bytes(
+        b, n, hq, hq, dh, s, nb
+    ),
+    "cache_bytes_keys_only": lambda *args: _ref_cache_bytes(*args) // 2,
+    "rmsnorm_eps_outside_sqrt": _rmsnorm_eps_outside,
+    "rmsnorm_over_all_heads": lambda x, weight, eps: _ref_rmsnorm(x, weight, eps, over=2),
+    "flops_one_product": lambda *args: _ref_flops(*args) // 2,
+    "flops_causal_half": _flops_causal_half,
+    "induction_same_token": lambda w, offset: _induction(w, offset, back=offset),
+    "induction_over_all_queries": lambda w, offset: _induction(w, offset, first=offset - 1),
 }
+
+
+def _wrong(exercise: str, bug: str) -> Callable:
+    """The wrong version of `bug` with the signature of `exercise`."""
+    wrong = _WRONG[bug]
+    return wrong[exercise] if isinstance(wrong, dict) else wrong
+
 
 # ---- the cases: seeded, small, awkward -----------------------------------------------------
 
@@ -448,6 +657,94 @@ def _padded_cases():
     ]:
         q, k, v = (_randn(gen, b, h, t, d) for _ in range(3))
         cases.append(Case((q, k, v, lengths), f"B={b}, H={h}, T={t}, D={d}, lengths {lengths}"))
+    return cases
+
+
+def _context_cases():
+    gen = torch.Generator().manual_seed(11)
+    return [
+        Case((_randn(gen, t, d),), f"T={t}, d={d}") for t, d in [(6, 3), (4, 5), (1, 2), (7, 4)]
+    ]
+
+
+def _qkv_weights_cases():
+    gen, cases = torch.Generator().manual_seed(12), []
+    for t, dm, dk, dv in [(6, 3, 2, 4), (5, 4, 3, 2), (1, 3, 2, 5), (4, 6, 5, 3)]:
+        args = (_randn(gen, t, dm), _randn(gen, dm, dk), _randn(gen, dm, dk), _randn(gen, dm, dv))
+        cases.append(Case(args, f"T={t}, d_model={dm}, d_k={dk}, d_v={dv}"))
+    return cases
+
+
+def _scores_cases():
+    gen, cases = torch.Generator().manual_seed(13), []
+    for b, h, t, s, d in [(2, 2, 3, 5, 8), (1, 3, 4, 4, 16), (1, 1, 6, 2, 4), (2, 1, 1, 7, 9)]:
+        args = (_randn(gen, b, h, t, d), _randn(gen, b, h, s, d))
+        cases.append(Case(args, f"B={b}, H={h}, T={t}, S={s}, D={d}"))
+    return cases
+
+
+def _jacobian_cases():
+    gen = torch.Generator().manual_seed(14)
+    return [Case((softmax(2 * _randn(gen, n)),), f"n={n}") for n in (4, 6, 2, 1)]
+
+
+def _softmax_cases():
+    gen = torch.Generator().manual_seed(15)
+    large = torch.tensor([[1000.0, 999.0, 990.0, -5.0], [-1000.0, -1001.0, -1002.0, -1003.0]])
+    masked = torch.tensor([[0.0, -math.inf, 1.0], [2.0, 2.0, -math.inf]])
+    return [
+        Case((3 * _randn(gen, 3, 5),), "3 rows of 5 scores"),
+        Case((large,), "scores near +1000 and -1000"),
+        Case((masked,), "rows with a -inf score"),
+        Case((_randn(gen, 1, 1),), "one score"),
+    ]
+
+
+def _cache_bytes_cases():
+    sizes = [(1, 28, 16, 8, 128, 32768, 2), (4, 2, 8, 2, 64, 100, 4), (2, 3, 6, 3, 16, 7, 8)]
+    sizes.append((1, 1, 4, 1, 32, 1, 1))
+    names = "batch layers q_heads kv_heads head_dim tokens bytes_per_number".split()
+    return [Case(s, ", ".join(f"{n}={v}" for n, v in zip(names, s))) for s in sizes]
+
+
+def _loops_cases():
+    gen, cases = torch.Generator().manual_seed(16), []
+    for t, s, d, dv, largest in [
+        (3, 5, 4, 2, 0),
+        (4, 4, 8, 3, 0),
+        (1, 6, 2, 2, 0),
+        (2, 5, 4, 3, 200),
+    ]:
+        q, k, v = _randn(gen, t, d), _randn(gen, s, d), _randn(gen, s, dv)
+        label = f"T={t}, S={s}, D={d}, Dv={dv}"
+        if largest:  # rescale so that the largest |score| is exactly `largest`
+            grow = math.sqrt(largest / float((q @ k.T).abs().max() / math.sqrt(d)))
+            q, k, label = q * grow, k * grow, label + f", scores up to {largest}"
+        cases.append(Case((q, k, v), label))
+    return cases
+
+
+def _rmsnorm_cases():
+    gen, cases = torch.Generator().manual_seed(17), []
+    for b, t, h, d, eps in [(2, 3, 2, 4, 0.1), (1, 4, 3, 8, 0.5), (1, 2, 2, 6, 1e-6)]:
+        x, weight = 0.3 * _randn(gen, b, t, h, d), 1 + 0.5 * _randn(gen, d)
+        cases.append(Case((x, weight, eps), f"B={b}, T={t}, H={h}, D={d}, eps={eps:g}"))
+    return cases
+
+
+def _flops_cases():
+    sizes = [(1, 8, 8192, 8192, 64, False), (2, 4, 16, 16, 32, True), (1, 2, 3, 10, 8, True)]
+    sizes.append((3, 1, 5, 5, 4, False))
+    names = "batch heads queries keys head_dim causal".split()
+    return [Case(s, ", ".join(f"{n}={v}" for n, v in zip(names, s))) for s in sizes]
+
+
+def _induction_cases():
+    gen, cases = torch.Generator().manual_seed(18), []
+    for h, t, offset in [(2, 10, 4), (3, 16, 8), (1, 7, 3), (4, 12, 5)]:
+        scores = 2 * _randn(gen, h, t, t)
+        weights = softmax(scores.masked_fill(~_tril(t, t), -math.inf))  # [H, T, T], causal
+        cases.append(Case((weights, offset), f"H={h}, T={t}, offset={offset}"))
     return cases
 
 
@@ -592,6 +889,91 @@ EXERCISES = {
         ("out [B, H, T, D]",),
         ("pads_not_masked", "masked_row_nan"),
     ),
+    "context_vectors": Exercise(
+        "fn(x) -> out; x [T, d] -> [T, d]",
+        "Attention with no parameters: row i of the output mixes the rows of x with the weights "
+        "softmax(x x^T) of row i; every token sees every token, no scale.",
+        _context_cases,
+        _ref_context,
+        ("out [T, d]",),
+        ("plain_sum_weights", "weights_over_columns"),
+    ),
+    "qkv_attention": Exercise(
+        "fn(x, w_q, w_k, w_v) -> out; x [T, d_model], w_q and w_k [d_model, d_k], "
+        "w_v [d_model, d_v] -> [T, d_v]",
+        "Project x into Q, K and V (eq. 2.1) and attend (eq. 2.2) with no mask.",
+        _qkv_weights_cases,
+        _qkv,
+        ("out [T, d_v]",),
+        ("keys_projected_by_w_q", "scale_by_value_width"),
+    ),
+    "scaled_scores": Exercise(
+        "fn(q, k) -> scores; q [B, H, T, D], k [B, H, S, D] -> [B, H, T, S]",
+        "The scaled scores of eq. 3.3, q k^T / sqrt(D), for every query and key.",
+        _scores_cases,
+        _ref_scores,
+        ("scores [B, H, T, S]",),
+        ("scale_by_d", "no_scale", "scale_by_key_count"),
+    ),
+    "stable_softmax": Exercise(
+        "fn(z) -> a; z [R, n] -> [R, n]",
+        "The softmax of each row (eq. 4.1), safe for scores of any size and for -inf entries.",
+        _softmax_cases,
+        _ref_softmax,
+        ("a [R, n]",),
+        ("softmax_without_max",),
+    ),
+    "softmax_jacobian": Exercise(
+        "fn(a) -> jacobian; a [n], a softmax output -> [n, n]",
+        "The Jacobian of the softmax from its output (eq. 4.2): entry (i, j) is da_i/dz_j.",
+        _jacobian_cases,
+        _ref_jacobian,
+        ("jacobian [n, n]",),
+        ("jacobian_diagonal_only", "jacobian_sign_of_outer"),
+    ),
+    "kv_cache_bytes": Exercise(
+        "fn(batch, layers, q_heads, kv_heads, head_dim, tokens, bytes_per_number) -> bytes",
+        "The bytes of a KV cache holding `tokens` tokens per sequence (eq. 10.1).",
+        _cache_bytes_cases,
+        _ref_cache_bytes,
+        ("bytes (a number)",),
+        ("cache_bytes_with_query_heads", "cache_bytes_keys_only"),
+    ),
+    "attention_loops": Exercise(
+        "fn(q, k, v) -> out; q [T, D], k [S, D], v [S, Dv] with T <= S -> [T, Dv]",
+        "One head, loop by loop: query i (at position S-T+i) against the keys it may see, with "
+        "the stable softmax and scale 1/sqrt(D).",
+        _loops_cases,
+        _ref_loops,
+        ("out [T, Dv]",),
+        ("top_left_mask", "softmax_without_max"),
+    ),
+    "qk_norm": Exercise(
+        "fn(x, weight, eps) -> out; x [B, T, H, D], weight [D], eps a float -> [B, T, H, D]",
+        "Qwen3's RMSNorm of every head's query or key vector, with gains `weight`.",
+        _rmsnorm_cases,
+        _ref_rmsnorm,
+        ("out [B, T, H, D]",),
+        ("rmsnorm_eps_outside_sqrt", "rmsnorm_over_all_heads"),
+    ),
+    "attention_flops": Exercise(
+        "fn(batch, heads, queries, keys, head_dim, causal) -> flops",
+        "The FLOPs of the two products of eq. 2.2 (D_v = D); causal counts only the pairs that "
+        "query i, at position keys - queries + i, may see.",
+        _flops_cases,
+        _ref_flops,
+        ("flops (a number)",),
+        ("flops_one_product", "flops_causal_half"),
+    ),
+    "induction_score": Exercise(
+        "fn(weights, offset) -> scores; weights [H, T, T], offset o -> [H]",
+        "Tokens o.. T-1 repeat tokens 0.. T-1-o. Each head's induction score, eq. 16.2: its mean "
+        "weight on key i - o + 1 over the queries i = o .. T-2.",
+        _induction_cases,
+        _induction,
+        ("scores [H]",),
+        ("induction_same_token", "induction_over_all_queries"),
+    ),
 }
 
 
@@ -635,12 +1017,24 @@ def _call(fn, args, label, ex: Exercise):
         out = (out,)
     result = []
     for o, name in zip(out, ex.outputs):
+        if "(a number)" in name:
+            result.append(_number(o, name))
+            continue
         if not torch.is_tensor(o):
             raise _Fail(f"expected a torch.Tensor for {name}, got {type(o).__name__}.")
         if not o.is_floating_point():
             raise _Fail(f"expected a real floating-point tensor for {name}, got {o.dtype}.")
         result.append(o.detach().cpu().double())
     return tuple(result)
+
+
+def _number(o, name: str) -> torch.Tensor:
+    """A count the reader returned (int, float or one-element tensor) as a float64 scalar."""
+    if torch.is_tensor(o) and o.numel() == 1 and not o.is_complex() and o.dtype != torch.bool:
+        return o.detach().cpu().double().reshape(())
+    if isinstance(o, (int, float)) and not isinstance(o, bool):
+        return torch.tensor(float(o), dtype=torch.float64)
+    raise _Fail(f"expected a number for {name.split()[0]}, got {type(o).__name__}.")
 
 
 def _describe(x) -> str:
@@ -725,13 +1119,13 @@ def _shape_message(ex: Exercise, cases, outs, exps):
     return None
 
 
-def _matching_bug(ex: Exercise, cases, outs):
+def _matching_bug(name: str, ex: Exercise, cases, outs):
     """The first of ex.bugs whose wrong version gives these outputs on every case; else None."""
     matches = [
         bug
         for bug in ex.bugs
         if all(
-            _close(o, _as_tuple(_WRONG[bug](*c.args)), nan_as_zero=True)
+            _close(o, _as_tuple(_wrong(name, bug)(*c.args)), nan_as_zero=True)
             for c, o in zip(cases, outs)
         )
     ]
@@ -746,7 +1140,8 @@ def _nan_message(ex: Exercise, cases, outs):
                 idx = [int(i) for i in _index(int(got.isnan().flatten().nonzero()[0]), got.shape)]
                 return (
                     f"{what.split()[0]} has NaN, first at {idx} (case {c.label}); a softmax "
-                    "over a row that is all -inf gives NaN."
+                    "over a row that is all -inf gives NaN, and so does exp of a score too "
+                    "large for the dtype (inf / inf)."
                 )
     return None
 
@@ -767,7 +1162,7 @@ def _diagnose(fn, name, ex: Exercise, cases, outs):
     shape = _shape_message(ex, cases, outs, exps)
     if shape:
         return None, shape
-    bug = _matching_bug(ex, cases, outs)
+    bug = _matching_bug(name, ex, cases, outs)
     if bug:
         return bug, f"looks like `{bug}`: {BUGS[bug].explanation} See {BUGS[bug].link}"
     nan = _nan_message(ex, cases, outs)
@@ -781,7 +1176,8 @@ def _diagnose(fn, name, ex: Exercise, cases, outs):
 
 
 def _as_tuple(x):
-    return tuple(t.double() for t in (x if isinstance(x, (tuple, list)) else (x,)))
+    xs = x if isinstance(x, (tuple, list)) else (x,)
+    return tuple(t.double() if torch.is_tensor(t) else torch.tensor(float(t)).double() for t in xs)
 
 
 def check(name: str, fn: Callable, extra=()) -> Result:
