@@ -94,6 +94,9 @@ def _inline_text(token, code_text: bool) -> str:
     return URL.sub(" ", "".join(parts))
 
 
+TARGET = re.compile(r"^\([\w-]+\)=[ \t]*$", re.M)
+
+
 def _directive(info: str):
     """`{name} argument` of a MyST directive fence, or None for a plain fence."""
     match = re.match(r"\{([\w:-]+)\}\s*(.*)", info.strip())
@@ -107,6 +110,7 @@ def prose_blocks(markdown: str, code_text: bool = False, quotes: bool = True) ->
     quotes=False, blockquotes (`> ...`) are left out.
     """
     blocks, quoted = [], 0
+    markdown = TARGET.sub("", markdown)  # MyST targets such as "(exercise-5-1)=" are not prose
     for token in _parser.parse(markdown):
         if token.type in ("blockquote_open", "blockquote_close"):
             quoted += 1 if token.type == "blockquote_open" else -1
