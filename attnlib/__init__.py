@@ -19,6 +19,7 @@ from .cost import (
 from .data import SIX_TOKENS, SIX_WORDS
 from .heads import KVCache, MultiHeadAttention, merge_heads, split_heads
 from .masks import left_padding, sliding_window, visible
+from .merge import merge_attention
 from .softmax import softmax, softmax_jacobian
 from .tiled import tiled_attention
 
@@ -32,8 +33,8 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 __all__ = [
     "KVCache", "MultiHeadAttention", "SIX_TOKENS", "SIX_WORDS", "attention_flops",
     "attention_weights", "causal_attention", "growth_exponent", "left_padding",
-    "longest_fitting_length", "loops", "merge_heads", "repeat_kv", "score_matrix_bytes",
-    "sliding_window", "softmax", "softmax_jacobian", "split_heads", "tiled_attention", "visible",
-    "visible_pairs",
+    "longest_fitting_length", "loops", "merge_attention", "merge_heads", "repeat_kv",
+    "score_matrix_bytes", "sliding_window", "softmax", "softmax_jacobian", "split_heads",
+    "tiled_attention", "visible", "visible_pairs",
 ]
 # fmt: on

@@ -91,10 +91,14 @@ def _forward(q, k, v, prepared: Prepared, block: int, with_lse: bool):
     return out.flatten(1, 2).to(q.dtype), None if lse is None else lse.flatten(1, 2)
 
 
-def _backward(grad, q, k, v, out, lse, prepared: Prepared, block: int):
-    """Eqs. 15.1-15.4 by tiles: dQ, dK, dV from dO [B, Hq, T, Dv]; each tile's P from L (15.5)."""
+def _backward(grad, grad_lse, q, k, v, out, lse, prepared: Prepared, block: int):
+    """Eqs. 15.1-15.4 by tiles: dQ, dK, dV from dO [B, Hq, T, Dv]; each tile's P from L (15.5).
+
+    A gradient dL [B, Hq, T] of the log-sum-exp adds P * dL to dS (dL/dZ = P): delta - dL.
+    """
     group, work, scale = q.shape[1] // k.shape[1], compute_dtype(q.dtype), prepared.scale
     delta = (grad.to(work) * out.to(work)).sum(-1)  # D = rowsum(dO o O), eq. 15.2, [B, Hq, T]
+    delta = delta - grad_lse.to(work).nan_to_num(0.0, 0.0, 0.0)  # only seen rows matter
     per_query = (q.to(work) * (scale * LOG2_E), grad.to(work), lse * LOG2_E, delta)  # base 2
     q2, grad, lse, delta = (x.unflatten(1, (-1, group)) for x in per_query)  # [B, Hkv, g, T, .]
     k, v = k.to(work), v.to(work)  # [B, Hkv, S, D], [B, Hkv, S, Dv]
@@ -120,25 +124,43 @@ class _TiledAttention(torch.autograd.Function):
         out, lse = _forward(q, k, v, prepared, block, with_lse=True)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.prepared, ctx.block = prepared, block
-        return out
+        return out, _natural(lse)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad):
-        return *_backward(grad, *ctx.saved_tensors, ctx.prepared, ctx.block), None, None
+    def backward(ctx, grad, grad_lse):
+        grads = _backward(grad, grad_lse, *ctx.saved_tensors, ctx.prepared, ctx.block)
+        return *grads, None, None
+
+
+def _natural(lse: torch.Tensor) -> torch.Tensor:
+    """L as a reader expects it: the log of a sum of nothing is -inf (inside, +inf zeroes P)."""
+    return lse.masked_fill(lse == math.inf, -math.inf)
 
 
 def tiled_attention(
-    q, k, v, query_positions=None, key_positions=None, allowed=None, scale=None, block_size=256
-) -> torch.Tensor:
+    q,
+    k,
+    v,
+    query_positions=None,
+    key_positions=None,
+    allowed=None,
+    scale=None,
+    block_size=256,
+    return_lse=False,
+):
     """`causal_attention` (eq. 2.2 with 7.1, 9.1) by online softmax over key blocks (14.1-14.2).
 
     q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> [B, Hq, T, Dv] in q's dtype, with
     `causal_attention`'s arguments; block_size x block_size tiles; differentiable (15.1-15.5).
+    return_lse=True also returns L (eq. 15.5, natural log) [B, Hq, T] in the compute dtype, -inf
+    for a query that sees no key; gradients flow through both.
     """
     prepared = prepare(q, k, v, query_positions, key_positions, allowed, scale)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an integer of at least 1, got {block_size!r}")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _TiledAttention.apply(q, k, v, prepared, block_size)
-    return _forward(q, k, v, prepared, block_size, with_lse=False)[0]  # no graph to record
+        out, lse = _TiledAttention.apply(q, k, v, prepared, block_size)
+        return (out, lse) if return_lse else out
+    out, lse = _forward(q, k, v, prepared, block_size, with_lse=return_lse)  # no graph
+    return (out, _natural(lse)) if return_lse else out

@@ -18,7 +18,7 @@ import attnlib
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 ENGINE_MODULES = {"attention", "cost", "data", "heads", "loops", "masks", "native", "rope"}
-ENGINE_MODULES |= {"softmax", "tiled"}
+ENGINE_MODULES |= {"softmax", "tiled", "merge"}
 
 # name -> the chapter that introduces it; `module` stands for every name of that module.
 INTRODUCED = {
@@ -36,6 +36,7 @@ INTRODUCED = {
     **dict.fromkeys(["longest_fitting_length", "growth_exponent", "cost"], 13),
     "heads": 6,
     **dict.fromkeys(["tiled_attention", "visible_pairs", "tiled"], 14),
+    **dict.fromkeys(["merge_attention", "merge"], 18),
 }
 
 
