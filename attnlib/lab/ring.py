@@ -1,0 +1,216 @@
+"""Ring attention over torch.distributed: each process holds a shard of the sequence.
+
+Process r keeps its queries and passes its keys and values around a ring: at step s it holds
+the K/V shard of process (r - s) mod P, attends to it with `tiled_attention(...,
+return_lse=True)` and folds the partial into its running answer with `merge_attention`
+(eq. 18.1), while the next shard is already on its way (`batch_isend_irecv`). After P steps
+every query has seen every key. The workers live here, importable, so that
+`torch.multiprocessing` can spawn them from a notebook; every run stops its processes, also
+when one fails or the run outlasts its timeout.
+"""
+
+import os
+import socket
+import tempfile
+import time
+from datetime import timedelta
+from typing import List, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+from attnlib import merge_attention, tiled_attention
+
+ORDERS = ("contiguous", "zigzag")
+
+
+def shard_runs(order: str, rank: int, world: int, length: int) -> list:
+    """The runs [(start, stop), ...] of positions process `rank` holds.
+
+    contiguous: one run of length / P. zigzag: chunk r and chunk 2P-1-r of 2P equal chunks,
+    so each process holds one early and one late piece of the sequence.
+    """
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    pieces = world if order == "contiguous" else 2 * world
+    if length % pieces:
+        raise ValueError(f"{order} shards need the length ({length}) divisible by {pieces}")
+    size = length // pieces
+    chunks = [rank] if order == "contiguous" else [rank, 2 * world - 1 - rank]
+    return [(c * size, (c + 1) * size) for c in chunks]
+
+
+def shard_positions(order: str, rank: int, world: int, length: int) -> torch.Tensor:
+    """The positions process `rank` holds, as a long tensor [length / P]."""
+    runs = shard_runs(order, rank, world, length)
+    return torch.cat([torch.arange(start, stop) for start, stop in runs])
+
+
+def _tiles(runs, tile):
+    return [(a, min(a + tile, stop)) for start, stop in runs for a in range(start, stop, tile)]
+
+
+def tiles_computed(query_runs, key_runs, tile: int, causal: bool = True) -> int:
+    """Tiles of tile x tile (query, key) positions holding at least one visible pair."""
+    query_tiles, key_tiles = _tiles(query_runs, tile), _tiles(key_runs, tile)
+    if not causal:
+        return len(query_tiles) * len(key_tiles)
+    return sum(1 for _, q_stop in query_tiles for k_start, _ in key_tiles if k_start < q_stop)
+
+
+def schedule(world: int, length: int, order: str, tile: int, causal: bool = True) -> list:
+    """For each step, for each process: (the shard it holds, the tiles it computes then)."""
+    runs = [shard_runs(order, r, world, length) for r in range(world)]
+    return [
+        [
+            ((r - step) % world, tiles_computed(runs[r], runs[(r - step) % world], tile, causal))
+            for r in range(world)
+        ]
+        for step in range(world)
+    ]
+
+
+def bytes_sent_formula(world, batch, kv_heads, length, head_dim, value_dim, element_size=4):
+    """Bytes one process sends: P-1 shards of K and V, each [B, Hkv, T/P, D] (eq. 19.2)."""
+    return (
+        (world - 1) * batch * kv_heads * (length // world) * (head_dim + value_dim) * element_size
+    )
+
+
+def _ring_job(rank, world, job, device):
+    q, k, v = (x.to(device) for x in (job["q"], job["k"], job["v"]))
+    order, causal, tile, length = job["order"], job["causal"], job["tile"], q.shape[2]
+    positions = shard_positions(order, rank, world, length).to(device)
+    my_runs = shard_runs(order, rank, world, length)
+    q_local = q[:, :, positions]  # [B, Hq, T/P, D]
+    kv = torch.cat([k[:, :, positions], v[:, :, positions]], dim=-1)  # one message: K | V
+    query_positions = positions if causal else torch.full_like(positions, length - 1)
+    out = lse = None
+    tiles = sent = 0
+    for step in range(world):
+        requests = []
+        if step < world - 1:  # start passing the shard on before computing with it
+            incoming = torch.empty_like(kv)
+            requests = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, kv, (rank + 1) % world),
+                    dist.P2POp(dist.irecv, incoming, (rank - 1) % world),
+                ]
+            )
+            sent += kv.numel() * kv.element_size()
+        source = (rank - step) % world
+        count = tiles_computed(my_runs, shard_runs(order, source, world, length), tile, causal)
+        if count:  # a shard wholly in this shard's future is skipped
+            key_positions = shard_positions(order, source, world, length).to(device)
+            part = tiled_attention(
+                q_local,
+                kv[..., : k.shape[-1]],
+                kv[..., k.shape[-1] :],
+                query_positions=query_positions,
+                key_positions=key_positions,
+                block_size=tile,
+                return_lse=True,
+            )
+            out, lse = part if out is None else merge_attention(out, lse, *part)
+            tiles += count
+        for request in requests:
+            request.wait()
+        if requests:
+            kv = incoming
+    return {"out": out.cpu(), "positions": positions.cpu(), "tiles": tiles, "sent": sent}
+
+
+def ring_worker(rank, world, port, backend, jobs, folder, fail_rank, timeout):
+    """One process of the ring: join the group, run every job, save the results to `folder`."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
+    )
+    try:
+        if rank == fail_rank:
+            raise RuntimeError(f"process {rank} failed on purpose")
+        results = [_ring_job(rank, world, job, device) for job in jobs]
+        torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RingResult(NamedTuple):
+    out: torch.Tensor  # [B, Hq, T, Dv], in sequence order
+    tiles: List[int]  # tiles computed, per process
+    bytes_sent: List[int]  # bytes of K and V each process sent
+    seconds: float  # wall clock of the whole run, process start-up included
+
+
+def _stop(context) -> None:
+    for process in context.processes:
+        if process.is_alive():
+            process.terminate()
+    for process in context.processes:
+        process.join(5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def ring_runs(
+    jobs, world, backend="gloo", timeout=60.0, fail_rank=None, start_method="spawn"
+) -> list:
+    """Run each job {q, k, v, order, causal, tile} on one ring of `world` processes.
+
+    Returns a RingResult per job. Raises TimeoutError after `timeout` seconds, and
+    RuntimeError when a process fails; either way no process is left running.
+    """
+    for job in jobs:
+        if job["q"].shape[2] != job["k"].shape[2]:
+            raise ValueError("ring attention here shards one sequence: T queries and T keys")
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        args = (world, free_port(), backend, jobs, folder, fail_rank, timeout)
+        context = mp.start_processes(
+            ring_worker, args, nprocs=world, join=False, start_method=start_method
+        )
+        try:
+            while not context.join(timeout=0.1):
+                if time.perf_counter() - start > timeout:
+                    raise TimeoutError(f"the ring of {world} did not finish in {timeout} s")
+        except ProcessException as error:
+            raise RuntimeError(f"a ring process failed: {error}") from None
+        finally:
+            _stop(context)
+        ranks = [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(world)]
+    seconds = time.perf_counter() - start
+    results = []
+    for j, job in enumerate(jobs):
+        shape = job["q"].shape[:3] + job["v"].shape[3:]
+        out = torch.empty(shape, dtype=job["q"].dtype)
+        for rank in ranks:
+            out[:, :, rank[j]["positions"]] = rank[j]["out"].to(out.dtype)
+        tiles = [rank[j]["tiles"] for rank in ranks]
+        sent = [rank[j]["sent"] for rank in ranks]
+        results.append(RingResult(out, tiles, sent, seconds))
+    return results
+
+
+def ring_attention(q, k, v, world, order="contiguous", causal=True, tile=16, **options):
+    """Attention of q [B, Hq, T, D] to k, v [B, Hkv, T, D] on a ring of `world` processes.
+
+    Equals `causal_attention(q, k, v)` (or with causal=False) to float tolerance; `options`
+    go to `ring_runs` (backend="gloo" or "nccl", timeout, fail_rank). Returns a RingResult.
+    """
+    job = {"q": q, "k": k, "v": v, "order": order, "causal": causal, "tile": tile}
+    return ring_runs([job], world, **options)[0]
