@@ -713,7 +713,7 @@ def _loops_cases():
         (3, 5, 4, 2, 0),
         (4, 4, 8, 3, 0),
         (1, 6, 2, 2, 0),
-        (2, 5, 4, 3, 200),
+        (2, 5, 4, 3, 800),
     ]:
         q, k, v = _randn(gen, t, d), _randn(gen, s, d), _randn(gen, s, dv)
         label = f"T={t}, S={s}, D={d}, Dv={dv}"
