@@ -35,6 +35,24 @@ def compiler_missing(language="cpp"):
     return name and f"{name} not found: install it (e.g. `apt-get install {name}`) and rerun"
 
 
+def _cached(name: str, key: bytes, make) -> Path:
+    """The cache's file for `key`, made by make(path) once, atomically, if it is not there yet."""
+    cache = Path(os.environ.get("ATTNLIB_CACHE", "~/.cache/attnlib/native")).expanduser()
+    path = cache / f"{name}-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = cache / f"{path.name}.{os.getpid()}.tmp"
+        make(partial)
+        os.replace(partial, path)  # atomic: no process ever loads half a library
+    return path
+
+
+def _run(command) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
+
+
 def library(language="cpp", flags=None):
     """The path of attnlib/csrc/attention.{cpp,rs} built with `flags` into the cache, if not yet."""
     found, source = compiler(language), Path(__file__).parent / "csrc" / SOURCES[language]
@@ -42,18 +60,45 @@ def library(language="cpp", flags=None):
         raise RuntimeError(compiler_missing(language))
     flags = (COMMANDS[language].split(maxsplit=1)[1] if flags is None else flags).split()
     version = subprocess.run([found, "--version"], capture_output=True, check=True).stdout
-    key = hashlib.sha256(source.read_bytes() + version + " ".join(flags).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("ATTNLIB_CACHE", "~/.cache/attnlib/native")).expanduser()
-    path = cache / f"attention-{language}-{key}.so"
-    if not path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        partial = cache / f"{path.name}.{os.getpid()}.tmp"
-        command = [found, *flags, str(source), "-o", str(partial)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
-        os.replace(partial, path)  # atomic: no process ever loads half a library
-    return path
+    key = source.read_bytes() + version + " ".join(flags).encode()
+    return _cached(f"attention-{language}", key, lambda out: _run([found, *flags, str(source),
+                                                                  "-o", str(out)]))  # fmt: skip
+
+
+# The fused pass of a tile (chapter 14): compiled with -ffast-math, which lets g++ call glibc's
+# vector exp2f, and linked without it, so that crtfastmath.o, which would switch the whole
+# process to flush-to-zero when the library loads, is not linked in. -march=native: the key
+# holds this CPU's flags, so another CPU builds its own.
+TILE_COMPILE, TILE_LINK = "-O3 -march=native -fopenmp -ffast-math -fPIC -c", "-shared -fopenmp"
+
+
+def tile_library() -> Path:
+    """attnlib/csrc/tile_pass.cpp built into the cache (once per source, compiler and CPU)."""
+    found, source = compiler("cpp"), Path(__file__).parent / "csrc" / "tile_pass.cpp"
+    if found is None:
+        raise RuntimeError(compiler_missing("cpp"))
+    version = subprocess.run([found, "--version"], capture_output=True, check=True).stdout
+    cpuinfo = Path("/proc/cpuinfo")
+    cpu = cpuinfo.read_bytes().partition(b"flags")[2][:4096] if cpuinfo.exists() else b""
+    key = source.read_bytes() + version + (TILE_COMPILE + TILE_LINK).encode() + cpu
+
+    def make(out):
+        _run([found, *TILE_COMPILE.split(), str(source), "-o", f"{out}.o"])
+        _run([found, *TILE_LINK.split(), f"{out}.o", "-o", str(out), "-lmvec", "-lm"])
+        os.remove(f"{out}.o")
+
+    return _cached("tile_pass", key, make)
+
+
+@functools.lru_cache(maxsize=None)
+def tile_pass():
+    """The (float32, float64) kernels of tile_library(), loaded once."""
+    loaded = ctypes.CDLL(str(tile_library()))
+    p, n = ctypes.c_void_p, ctypes.c_int64
+    kernels = loaded.tile_pass_f32, loaded.tile_pass_f64
+    for kernel in kernels:
+        kernel.argtypes, kernel.restype = [p, p, p, p, n, n, n], None
+    return kernels
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,6 +10,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import native
 from .attention import Prepared, compute_dtype, prepare
 from .masks import visible
 
@@ -61,9 +62,21 @@ def _scores(q_tile: torch.Tensor, k_tile: torch.Tensor, mask) -> torch.Tensor:
     return scores
 
 
-def _forward(q, k, v, prepared: Prepared, block: int, with_lse: bool):
+def _fused_step(kernel, scores, m, ell):
+    """Eq. 14.1 for one tile by attnlib/csrc/tile_pass.cpp, in place: m <- m', l <- l', the scores
+    <- 2^(s - m'); returns the rescale factors 2^(m - m'), [B, Hkv, g*t, 1]."""
+    if not (scores.is_contiguous() and m.is_contiguous() and ell.is_contiguous()):
+        raise ValueError("the fused pass needs contiguous scores, maxima and sums")
+    rescale = torch.empty_like(m)
+    pointers = (x.data_ptr() for x in (scores, m, ell, rescale))
+    kernel(*pointers, m.numel(), scores.shape[-1], torch.get_num_threads())
+    return rescale
+
+
+def _forward(q, k, v, prepared: Prepared, block: int, with_lse: bool, inner="torch"):
     """Eqs. 14.1-14.2 by tiles: O [B, Hq, T, Dv] in q's dtype and, if asked, L [B, Hq, T] (15.5)."""
     group, work = q.shape[1] // k.shape[1], compute_dtype(q.dtype)  # eq. 9.1: h = kv*g + r
+    kernel = native.tile_pass()[work == torch.float64] if inner == "cpp" else None
     q, k, v = q.unflatten(1, (-1, group)), k.to(work), v.to(work)  # [B, Hkv, g, T, D]
     out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=work)  # [B, Hkv, g, T, Dv]
     lse = q.new_full(q.shape[:-1], math.inf, dtype=work) if with_lse else None  # [B, Hkv, g, T]
@@ -77,12 +90,15 @@ def _forward(q, k, v, prepared: Prepared, block: int, with_lse: bool):
         o = q_tile.new_zeros(*q_tile.shape[:3], v.shape[-1])  # accumulator o, [B, Hkv, g*t, Dv]
         for j0, j1, mask in tiles:
             scores = _scores(q_tile, k[:, :, j0:j1], mask)  # [B, Hkv, g*t, s]
-            new_m = torch.maximum(m, scores.amax(-1, keepdim=True))  # eq. 14.1: m'
-            rescale = torch.exp2(m - new_m)  # e^{m - m'}
-            weights = scores.sub_(new_m).exp2_()  # e^{s_j - m'}
-            ell.mul_(rescale).add_(weights.sum(-1, keepdim=True))  # eq. 14.1: l'
+            if kernel is not None:  # the same four steps in one visit of each row
+                rescale, weights = _fused_step(kernel, scores, m, ell), scores
+            else:  # four passes over the tile
+                new_m = torch.maximum(m, scores.amax(-1, keepdim=True))  # eq. 14.1: m'
+                rescale = torch.exp2(m - new_m)  # e^{m - m'}
+                weights = scores.sub_(new_m).exp2_()  # e^{s_j - m'}
+                ell.mul_(rescale).add_(weights.sum(-1, keepdim=True))  # eq. 14.1: l'
+                m = new_m
             o.mul_(rescale).add_(weights @ v[:, :, j0:j1])  # eq. 14.2: o'
-            m = new_m
         o /= ell.masked_fill(ell == 0, 1.0)  # o / l; a row that saw nothing stays 0
         out[:, :, :, i0:i1] = o.unflatten(2, (group, -1))
         if with_lse:  # L = m + log l (back from base 2); +inf for a row that sees no key
@@ -120,8 +136,8 @@ class _TiledAttention(torch.autograd.Function):
     """Tiled attention for autograd: it saves q, k, v, O and L [B, Hq, T], nothing T x S."""
 
     @staticmethod
-    def forward(ctx, q, k, v, prepared: Prepared, block: int):
-        out, lse = _forward(q, k, v, prepared, block, with_lse=True)
+    def forward(ctx, q, k, v, prepared: Prepared, block: int, inner: str):
+        out, lse = _forward(q, k, v, prepared, block, with_lse=True, inner=inner)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.prepared, ctx.block = prepared, block
         return out, _natural(lse)
@@ -130,7 +146,7 @@ class _TiledAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad, grad_lse):
         grads = _backward(grad, grad_lse, *ctx.saved_tensors, ctx.prepared, ctx.block)
-        return *grads, None, None
+        return *grads, None, None, None
 
 
 def _natural(lse: torch.Tensor) -> torch.Tensor:
@@ -148,19 +164,25 @@ def tiled_attention(
     scale=None,
     block_size=256,
     return_lse=False,
+    inner="torch",
 ):
     """`causal_attention` (eq. 2.2 with 7.1, 9.1) by online softmax over key blocks (14.1-14.2).
 
     q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> [B, Hq, T, Dv] in q's dtype, with
     `causal_attention`'s arguments; block_size x block_size tiles; differentiable (15.1-15.5).
     return_lse=True also returns L (eq. 15.5, natural log) [B, Hq, T] in the compute dtype, -inf
-    for a query that sees no key; gradients flow through both.
+    for a query that sees no key; gradients flow through both. inner="cpp" runs each tile's
+    softmax steps as one compiled pass (attnlib/csrc/tile_pass.cpp) instead of four tensor ops.
     """
     prepared = prepare(q, k, v, query_positions, key_positions, allowed, scale)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an integer of at least 1, got {block_size!r}")
+    if inner not in ("torch", "cpp"):
+        raise ValueError(f"inner must be 'torch' or 'cpp', got {inner!r}")
+    if inner == "cpp":
+        native.tile_pass()  # built once; without a compiler, native's one-line message
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _TiledAttention.apply(q, k, v, prepared, block_size)
+        out, lse = _TiledAttention.apply(q, k, v, prepared, block_size, inner)
         return (out, lse) if return_lse else out
-    out, lse = _forward(q, k, v, prepared, block_size, with_lse=return_lse)  # no graph
+    out, lse = _forward(q, k, v, prepared, block_size, return_lse, inner)  # no graph
     return (out, _natural(lse)) if return_lse else out

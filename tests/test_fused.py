@@ -1,0 +1,131 @@
+"""tiled_attention(..., inner="cpp"): the compiled pass of a tile equals the torch steps.
+
+In CI (env var CI set) a missing compiler fails these tests; elsewhere it skips them, saying why.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnlib import left_padding, native, sliding_window, tiled_attention
+
+from .references import bottom_right_mask, brute_force, sdpa
+
+
+@pytest.fixture(autouse=True)
+def compiler():
+    missing = native.compiler_missing("cpp")
+    if missing and os.environ.get("CI"):
+        pytest.fail(f"CI must compile and test the fused pass: {missing}")
+    if missing:
+        pytest.skip(missing)
+
+
+def _qkv(seed, batch, q_heads, kv_heads, queries, keys, dim, value_dim, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, q_heads, queries, dim, generator=gen, dtype=dtype)
+    k = torch.randn(batch, kv_heads, keys, dim, generator=gen, dtype=dtype)
+    v = torch.randn(batch, kv_heads, keys, value_dim, generator=gen, dtype=dtype)
+    return q, k, v
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    kv_heads=st.integers(1, 2),
+    group=st.integers(1, 3),
+    queries=st.integers(1, 40),
+    extra=st.integers(0, 30),
+    block=st.sampled_from([1, 4, 16, 64]),
+    window=st.sampled_from([None, 1, 5]),
+)
+def test_equals_the_torch_inner_and_sdpa(seed, kv_heads, group, queries, extra, block, window):
+    q, k, v = _qkv(seed, 2, kv_heads * group, kv_heads, queries, queries + extra, 8, 5)
+    keys = queries + extra
+    query_positions = torch.arange(extra, keys).expand(2, -1)
+    key_positions = torch.arange(keys).expand(2, -1)
+    allowed = None if window is None else sliding_window(query_positions, key_positions, window)
+    arguments = (q, k, v, query_positions, key_positions, allowed)
+    torch_inner = tiled_attention(*arguments, block_size=block)
+    cpp_inner = tiled_attention(*arguments, block_size=block, inner="cpp")
+    assert (cpp_inner - torch_inner).abs().max() <= 2e-6
+    mask = bottom_right_mask(query_positions, key_positions)
+    if allowed is not None:
+        mask = mask & allowed
+    assert torch.allclose(cpp_inner, sdpa(q, k, v, mask), atol=1e-5)
+
+
+def test_float64_padded_batch_and_a_row_that_sees_nothing():
+    q, k, v = _qkv(1, 3, 4, 2, 9, 9, 6, 6, torch.float64)
+    positions, allowed = left_padding([9, 5, 0], 9)  # the last row is all pads
+    got = tiled_attention(q, k, v, positions, positions, allowed, block_size=4, inner="cpp")
+    expected = brute_force(q, k, v, positions, positions, allowed)
+    assert got.dtype == torch.float64 and not got.isnan().any()
+    assert torch.allclose(got, expected, atol=1e-12)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
+def test_lse_and_gradients_flow_through_the_same_function():
+    q, k, v = (x.requires_grad_() for x in _qkv(2, 2, 4, 2, 12, 12, 8, 8, torch.float64))
+    grad = torch.randn(2, 4, 12, 8, generator=torch.Generator().manual_seed(3), dtype=q.dtype)
+    results = {}
+    for inner in ("torch", "cpp"):
+        out, lse = tiled_attention(q, k, v, block_size=5, return_lse=True, inner=inner)
+        results[inner] = (out, lse, *torch.autograd.grad((out * grad).sum() + lse.sum(), (q, k, v)))
+    for a, b in zip(results["torch"], results["cpp"]):
+        assert torch.allclose(a, b, atol=1e-12)
+    reference = brute_force(q, k, v, torch.arange(12).expand(2, -1), torch.arange(12).expand(2, -1))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: tiled_attention(q, k, v, block_size=5, inner="cpp"), (q, k, v)
+    )
+    assert torch.allclose(results["cpp"][0], reference, atol=1e-12)
+
+
+def test_bad_input_raises_the_same_errors():
+    q, k, v = _qkv(4, 1, 2, 1, 4, 4, 8, 8)
+    with pytest.raises(ValueError, match="inner must be 'torch' or 'cpp'"):
+        tiled_attention(q, k, v, inner="rust")
+    for inner in ("torch", "cpp"):
+        with pytest.raises(ValueError, match="block_size"):
+            tiled_attention(q, k, v, block_size=0, inner=inner)
+        with pytest.raises(ValueError):
+            tiled_attention(q, k[:, :, :, :4], v, inner=inner)  # head sizes differ
+
+
+def test_without_a_compiler_the_message_is_native_attentions(monkeypatch):
+    monkeypatch.setattr(native, "compiler", lambda language: None)
+    native.tile_pass.cache_clear()
+    try:
+        with pytest.raises(RuntimeError) as caught:
+            tiled_attention(*_qkv(5, 1, 1, 1, 3, 3, 4, 4), inner="cpp")
+        assert str(caught.value) == native.compiler_missing("cpp")
+    finally:
+        native.tile_pass.cache_clear()
+
+
+def test_loading_the_library_keeps_subnormals_and_links_no_fast_math():
+    code = (
+        "import torch; from attnlib import native; native.tile_pass(); "
+        "x = torch.tensor([1e-40], dtype=torch.float32) * 1.0; print(float(x[0]) > 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "True", done.stderr
+    symbols = subprocess.run(["nm", str(native.tile_library())], capture_output=True, text=True)
+    assert symbols.returncode == 0 and "tile_pass_f32" in symbols.stdout
+    assert "set_fast_math" not in symbols.stdout
+
+
+def test_a_hidden_key_gets_exactly_zero_weight():
+    """-ffast-math assumes no infinities; the masked scores are -inf, and must still give 0."""
+    q, k, v = _qkv(6, 1, 1, 1, 1, 4, 4, 4)
+    k[:, :, 1:] *= 0  # equal scores for keys 1-3
+    allowed = torch.tensor([True, False, True, False])
+    got = tiled_attention(q, k, v, allowed=allowed, inner="cpp", block_size=4)
+    weights = torch.softmax((q @ k.transpose(-2, -1) / 2).masked_fill(~allowed, -math.inf), -1)
+    assert torch.allclose(got, weights @ v, atol=1e-6)
