@@ -107,7 +107,7 @@ def test_bad_input_gets_a_clear_error():
     paged = PagedKVCache(2, 2, KV_HEADS, DIM)
     paged.add(0)
     paged.append(0, torch.zeros(KV_HEADS, 4, DIM), torch.zeros(KV_HEADS, 4, DIM))
-    with pytest.raises(ValueError, match="pool is full: all 2 blocks"):
+    with pytest.raises(ValueError, match="pool full: all 2 blocks in use"):
         paged.append(0, torch.zeros(KV_HEADS, DIM), torch.zeros(KV_HEADS, DIM))
     with pytest.raises(ValueError, match="exists already"):
         paged.add(0)

@@ -92,8 +92,7 @@ class PagedKVCache:
     def _take(self) -> int:
         if not self.free:
             raise ValueError(
-                f"the pool is full: all {len(self.refs)} blocks are in use; finish a sequence "
-                "or make a larger pool"
+                f"pool full: all {len(self.refs)} blocks in use; finish a sequence or grow the pool"
             )
         block = self.free.pop()
         self.refs[block] = 1

@@ -117,8 +117,7 @@ def _ring_job(rank, world, job, device):
             tiles += count
         for request in requests:
             request.wait()
-        if requests:
-            kv = incoming
+        kv = incoming if requests else kv
     return {"out": out.cpu(), "positions": positions.cpu(), "tiles": tiles, "sent": sent}
 
 
