@@ -1,4 +1,5 @@
-"""The stretch exercises of chapter 17, as tests against independent references."""
+"""The stretch exercises (now exercises 5.2, 6.3, 7.4 and 13.3), as tests against independent
+references."""
 
 import pytest
 import torch
