@@ -1,0 +1,153 @@
+"""Chapter 14's fusion measurements: the passes the torch inner makes over one tile of scores,
+against the compiled pass (`tiled_attention(..., inner="cpp")`), and both against SDPA.
+
+`python -m attnlib.lab.fusion` runs the benchmark (interleaved medians) and writes its JSON.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .. import native
+from ..tiled import LOG2_E, _fused_step, tiled_attention
+
+# The four tensor operations of the torch inner that sweep a whole tile of scores: name, how
+# many times each reads the tile and how many times it writes it.
+TORCH_PASSES = (("amax", 1, 0), ("sub_", 1, 1), ("exp2_", 1, 1), ("sum", 1, 0))
+MEASURED = Path(__file__).parent / "fusion_measured.json"  # written by main() on one machine
+
+
+def tile_traffic(rows: int, width: int, itemsize: int = 4) -> dict:
+    """Bytes moved through the memory hierarchy per tile of [rows, width] scores.
+
+    The torch inner sweeps the whole tile once per operation; the fused pass reads each row
+    once from the tile and writes it once (its second visit of a row finds it in L1).
+    """
+    tile = rows * width * itemsize
+    torch_bytes = sum((reads + writes) * tile for _, reads, writes in TORCH_PASSES)
+    return {"tile": tile, "torch": torch_bytes, "fused": 2 * tile}
+
+
+def _torch_step(scores, m, ell):
+    new_m = torch.maximum(m, scores.amax(-1, keepdim=True))
+    rescale = torch.exp2(m - new_m)
+    weights = scores.sub_(new_m).exp2_()
+    ell.mul_(rescale).add_(weights.sum(-1, keepdim=True))
+    return rescale, new_m
+
+
+def tile_step_seconds(rows=2048, width=256, repeats=21, seed=0) -> dict:
+    """Median seconds of one tile's softmax steps: the torch inner's four passes and the fused
+    pass, interleaved, on the same seeded scores (base 2, as in the forward)."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(1, 1, rows, width, generator=gen) * 3 * LOG2_E
+    kernel, times = native.tile_pass()[0], {"torch": [], "fused": []}
+    for _ in range(repeats):
+        for name in times:
+            s, m = scores.clone(), torch.full((1, 1, rows, 1), torch.finfo(torch.float32).min)
+            ell = torch.zeros(1, 1, rows, 1)
+            start = time.perf_counter()
+            _torch_step(s, m, ell) if name == "torch" else _fused_step(kernel, s, m, ell)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def forward_seconds(length, heads=8, dim=64, repeats=5, window=None, seed=0) -> dict:
+    """Median seconds of SDPA and of tiled_attention with each inner, interleaved, causal."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, heads, length, dim, generator=gen) for _ in range(3))
+    positions = torch.arange(length)
+    allowed = None if window is None else positions[:, None] - positions[None, :] < window
+    mask = torch.ones(length, length, dtype=torch.bool).tril()
+    mask = mask if allowed is None else mask & allowed
+    calls = {
+        "sdpa": lambda: F.scaled_dot_product_attention(
+            q, k, v, is_causal=allowed is None, attn_mask=None if allowed is None else mask
+        ),
+        "torch": lambda: tiled_attention(q, k, v, allowed=allowed),
+        "cpp": lambda: tiled_attention(q, k, v, allowed=allowed, inner="cpp"),
+    }
+    times = {name: [] for name in calls}
+    for call in calls.values():
+        call()  # warm up: first-call costs, the library's build
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+@contextmanager
+def busy_core():
+    """A second process spinning on a core for as long as the block runs."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def measure(lengths=(1024, 2048, 4096, 8192, 16384), repeats=5) -> dict:
+    """The benchmark: both inners against SDPA at each length, a window, and under load."""
+    rows = []
+    for length in lengths:
+        seconds = forward_seconds(length, repeats=repeats if length < 16384 else 3)
+        rows.append({"T": length, **seconds})
+        print(f"T = {length:>6}: " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in seconds.items()))
+    window = {"T": 4096, "window": 256, **forward_seconds(4096, repeats=repeats, window=256)}
+    with busy_core():
+        loaded = forward_seconds(4096, repeats=repeats)
+    machine = {
+        "processor": _processor(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    return {"machine": machine, "rows": rows, "window": window, "loaded_4096": loaded,
+            "tile": tile_step_seconds()}  # fmt: skip
+
+
+def _processor() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m attnlib.lab.fusion", description=__doc__)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=str(MEASURED))
+    args = parser.parse_args(argv)
+    if min(args.lengths) < 1 or args.repeats < 1:
+        parser.error("--lengths and --repeats must be positive")
+    started = time.perf_counter()
+    build = time.perf_counter()
+    native.tile_pass()
+    report = {"build_or_load_s": time.perf_counter() - build}
+    report.update(measure(args.lengths, args.repeats))
+    report["wall_s"] = time.perf_counter() - started
+    for row in report["rows"]:
+        print(f"T = {row['T']:>6}: torch {row['torch'] / row['sdpa']:.2f}x SDPA, "
+              f"cpp {row['cpp'] / row['sdpa']:.2f}x SDPA")  # fmt: skip
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out} in {report['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
