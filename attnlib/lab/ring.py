@@ -53,7 +53,7 @@ def _tiles(runs, tile):
 
 
 def tiles_computed(query_runs, key_runs, tile: int, causal: bool = True) -> int:
-    """Tiles of tile x tile (query, key) positions holding at least one visible pair."""
+    """Tiles of tile x tile (query, key) positions holding a visible pair (eq. 19.2)."""
     query_tiles, key_tiles = _tiles(query_runs, tile), _tiles(key_runs, tile)
     if not causal:
         return len(query_tiles) * len(key_tiles)
@@ -73,52 +73,50 @@ def schedule(world: int, length: int, order: str, tile: int, causal: bool = True
 
 
 def bytes_sent_formula(world, batch, kv_heads, length, head_dim, value_dim, element_size=4):
-    """Bytes one process sends: P-1 shards of K and V, each [B, Hkv, T/P, D] (eq. 19.2)."""
+    """Bytes one process sends: P-1 shards of K and V, each [B, Hkv, T/P, D] (eq. 19.3)."""
     return (
         (world - 1) * batch * kv_heads * (length // world) * (head_dim + value_dim) * element_size
     )
 
 
 def _ring_job(rank, world, job, device):
-    q, k, v = (x.to(device) for x in (job["q"], job["k"], job["v"]))
-    order, causal, tile, length = job["order"], job["causal"], job["tile"], q.shape[2]
-    positions = shard_positions(order, rank, world, length).to(device)
-    my_runs = shard_runs(order, rank, world, length)
-    q_local = q[:, :, positions]  # [B, Hq, T/P, D]
-    kv = torch.cat([k[:, :, positions], v[:, :, positions]], dim=-1)  # one message: K | V
-    query_positions = positions if causal else torch.full_like(positions, length - 1)
+    """One process's ring (eq. 19.1): its queries stay, K/V shards pass by."""
+    q, k, v = (job[name].to(device) for name in "qkv")
+    order, causal, tile = (job[x] for x in ("order", "causal", "tile"))
+    length, dim = q.shape[2], k.shape[-1]
+    mine = shard_positions(order, rank, world, length).to(device)
+    q_mine = q[:, :, mine]  # [B, Hq, T/P, D]
+    kv = torch.cat([k[:, :, mine], v[:, :, mine]], dim=-1)  # one message
+    # Non-causal: every query "sits" at the last position and sees every key.
+    query_positions = mine if causal else torch.full_like(mine, length - 1)
     out = lse = None
     tiles = sent = 0
     for step in range(world):
         requests = []
-        if step < world - 1:  # start passing the shard on before computing with it
+        if step < world - 1:  # pass the shard on while computing with it
             incoming = torch.empty_like(kv)
-            requests = dist.batch_isend_irecv(
-                [
-                    dist.P2POp(dist.isend, kv, (rank + 1) % world),
-                    dist.P2POp(dist.irecv, incoming, (rank - 1) % world),
-                ]
-            )
+            requests = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, kv, (rank + 1) % world),
+                dist.P2POp(dist.irecv, incoming, (rank - 1) % world),
+            ])  # fmt: skip
             sent += kv.numel() * kv.element_size()
         source = (rank - step) % world
-        count = tiles_computed(my_runs, shard_runs(order, source, world, length), tile, causal)
-        if count:  # a shard wholly in this shard's future is skipped
-            key_positions = shard_positions(order, source, world, length).to(device)
+        theirs = shard_positions(order, source, world, length).to(device)
+        count = tiles_computed(
+            shard_runs(order, rank, world, length),
+            shard_runs(order, source, world, length), tile, causal,
+        )  # fmt: skip
+        if count:  # zero: the shard is wholly in these queries' future
             part = tiled_attention(
-                q_local,
-                kv[..., : k.shape[-1]],
-                kv[..., k.shape[-1] :],
-                query_positions=query_positions,
-                key_positions=key_positions,
-                block_size=tile,
-                return_lse=True,
-            )
-            out, lse = part if out is None else merge_attention(out, lse, *part)
+                q_mine, kv[..., :dim], kv[..., dim:], query_positions, theirs,
+                block_size=tile, return_lse=True,
+            )  # fmt: skip
+            out, lse = part if lse is None else merge_attention(out, lse, *part)
             tiles += count
         for request in requests:
             request.wait()
         kv = incoming if requests else kv
-    return {"out": out.cpu(), "positions": positions.cpu(), "tiles": tiles, "sent": sent}
+    return dict(out=out.cpu(), positions=mine.cpu(), tiles=tiles, sent=sent)
 
 
 def ring_worker(rank, world, port, backend, jobs, folder, fail_rank, timeout):
