@@ -310,6 +310,58 @@ def induction_diagonal(weights, offset):
     return line[:, 1:-1].mean(-1)
 
 
+# chapters 17-20
+
+
+def bits_formula(loss, tokens, text_bytes):
+    return loss * tokens / text_bytes / math.log(2)
+
+
+def composition_formula(w_qk, w_ov):
+    return float(
+        torch.linalg.norm(w_qk @ w_ov) / (torch.linalg.norm(w_qk) * torch.linalg.norm(w_ov))
+    )
+
+
+def composition_einsum(w_qk, w_ov):
+    product = torch.einsum("ij,jk->ik", w_qk.double(), w_ov.double())
+    return (
+        product.pow(2).sum().sqrt()
+        / (w_qk.double().pow(2).sum() * w_ov.double().pow(2).sum()).sqrt()
+    )
+
+
+def merge_formula(out_a, lse_a, out_b, lse_b):
+    top = torch.maximum(lse_a, lse_b)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    wa, wb = (lse_a - top).exp(), (lse_b - top).exp()
+    total = wa + wb
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    out = (wa / safe)[..., None] * out_a + (wb / safe)[..., None] * out_b
+    return out, torch.where(total > 0, top + safe.log(), torch.full_like(total, -math.inf))
+
+
+def merge_logaddexp(out_a, lse_a, out_b, lse_b):
+    lse = torch.logaddexp(lse_a.double(), lse_b.double())
+    finite = torch.isfinite(lse)[..., None]
+    wa = torch.where(finite, (lse_a - lse)[..., None].exp(), torch.zeros(()))
+    wb = torch.where(finite, (lse_b - lse)[..., None].exp(), torch.zeros(()))
+    return wa * out_a.double() + wb * out_b.double(), lse
+
+
+def ring_loop(q, k, v, processes):
+    t = q.shape[2]
+    size = t // processes
+    out = lse = None
+    for j0 in range(0, t, size):
+        scores = q @ k[:, :, j0 : j0 + size].transpose(-2, -1) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~causal_mask(t, t)[:, j0 : j0 + size], -math.inf)
+        part_lse = scores.logsumexp(-1)
+        part = torch.softmax(scores, -1).nan_to_num(0.0) @ v[:, :, j0 : j0 + size]
+        out, lse = (part, part_lse) if out is None else merge_formula(out, lse, part, part_lse)
+    return out
+
+
 CORRECT = {
     "causal_attention": [causal_einsum, causal_loops, causal_sdpa, causal_f64],
     "split_heads": [split_view, split_loops, split_unflatten],
@@ -332,6 +384,13 @@ CORRECT = {
     "qk_norm": [rmsnorm_rsqrt, rmsnorm_torch],
     "attention_flops": [flops_loop, flops_closed],
     "induction_score": [induction_loop, induction_diagonal],
+    "bits_per_byte": [
+        bits_formula,
+        lambda loss, n, size: torch.tensor(bits_formula(loss, n, size)),
+    ],
+    "composition_score": [composition_formula, composition_einsum],
+    "merge_partials": [merge_formula, merge_logaddexp],
+    "ring_attention_simulated": [ring_loop, lambda q, k, v, p: causal_sdpa(q, k, v)],
 }
 
 
@@ -459,6 +518,64 @@ PLANTED = {  # bug -> (exercise, the reader's wrong answer)
     ),
 }
 
+PLANTED.update(
+    {
+        "bits_per_token": ("bits_per_byte", lambda loss, n, size: loss * n / n / math.log(2)),
+        "nats_not_bits": ("bits_per_byte", lambda loss, n, size: loss * n / size),
+        "composition_not_normalised": (
+            "composition_score",
+            lambda w_qk, w_ov: torch.linalg.norm(w_qk @ w_ov),
+        ),
+        "composition_order_swapped": (
+            "composition_score",
+            lambda w_qk, w_ov: composition_formula(w_ov, w_qk),
+        ),
+        "merge_plain_average": (
+            "merge_partials",
+            lambda oa, la, ob, lb: ((oa + ob) / 2, torch.logaddexp(la, lb)),
+        ),
+        "merge_without_max": ("merge_partials", lambda oa, la, ob, lb: merge_naive(oa, la, ob, lb)),
+        "ring_partials_averaged": (
+            "ring_attention_simulated",
+            lambda q, k, v, p: ring_mean(q, k, v, p),
+        ),
+        "ring_empty_shard_nan": (
+            "ring_attention_simulated",
+            lambda q, k, v, p: ring_nan(q, k, v, p),
+        ),
+    }
+)
+
+
+def merge_naive(out_a, lse_a, out_b, lse_b):
+    lse = (lse_a.exp() + lse_b.exp()).log()
+    return (lse_a - lse).exp()[..., None] * out_a + (lse_b - lse).exp()[..., None] * out_b, lse
+
+
+def ring_parts(q, k, v, processes):
+    t, size = q.shape[2], q.shape[2] // processes
+    for j0 in range(0, t, size):
+        scores = q @ k[:, :, j0 : j0 + size].transpose(-2, -1) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~causal_mask(t, t)[:, j0 : j0 + size], -math.inf)
+        yield torch.softmax(scores, -1), scores.logsumexp(-1), v[:, :, j0 : j0 + size]
+
+
+def ring_mean(q, k, v, processes):
+    parts = [
+        (w.nan_to_num(0.0) @ vs, torch.isfinite(lse))
+        for w, lse, vs in ring_parts(q, k, v, processes)
+    ]
+    return sum(o for o, _ in parts) / sum(s.float() for _, s in parts)[..., None]
+
+
+def ring_nan(q, k, v, processes):
+    out = lse = None
+    for w, part_lse, vs in ring_parts(q, k, v, processes):
+        part = w @ vs  # NaN where the shard is all in the future
+        out, lse = (part, part_lse) if out is None else merge_formula(out, lse, part, part_lse)
+    return out
+
+
 # A bug that two exercises share is planted in the second one here.
 PLANTED_ALSO = [
     ("scale_by_d", "scaled_scores", lambda q, k: q @ k.transpose(-2, -1) / q.shape[-1]),
@@ -584,6 +701,21 @@ def gen_args_more(name, randn, b, h, g, t, extra, d):
         return torch.softmax(
             scores.masked_fill(~causal_mask(*scores.shape[1:]), -math.inf), -1
         ), offset
+    return gen_args_last(name, randn, b, h, g, t, extra, d)
+
+
+def gen_args_last(name, randn, b, h, g, t, extra, d):
+    """The arguments of the exercises of chapters 17-20."""
+    if name == "bits_per_byte":
+        return float(randn(1).abs()) * 3, t * 10 + extra, t * 10 + extra * 7 + 1
+    if name == "composition_score":
+        return randn(d, d), randn(d, d) * g
+    if name == "merge_partials":
+        lse_b = randn(b, h, t) * 3
+        lse_b[..., : extra % (t + 1)] = -math.inf  # a part in which early queries saw nothing
+        return randn(b, h, t, d), randn(b, h, t) * 3, randn(b, h, t, d), lse_b
+    if name == "ring_attention_simulated":
+        return randn(b, h, t * g, d), randn(b, h, t * g, d), randn(b, h, t * g, d), g
     raise AssertionError(name)
 
 

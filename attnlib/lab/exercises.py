@@ -17,6 +17,7 @@ from ..attention import causal_attention
 from ..cost import attention_flops
 from ..heads import split_heads
 from ..masks import left_padding
+from ..merge import merge_attention
 from ..rope import apply_rope, rope_cos_sin
 from ..softmax import softmax
 from .decode import kv_cache_bytes
@@ -238,6 +239,46 @@ BUGS = {
         "The mean ran over every query from position o - 1 on; the queries of eq. 16.2 are those "
         "whose next token is a copy, i from o to T - 2.",
         _link("16_induction_heads"),
+    ),
+    "bits_per_token": Bug(
+        "The loss became bits per token, not per byte: the total bits are divided by the "
+        "tokens where the bytes of the text belong.",
+        _link("17_language_model"),
+    ),
+    "nats_not_bits": Bug(
+        "The loss stayed in nats: one bit is ln 2 nats, so divide by ln 2.",
+        _link("17_language_model"),
+    ),
+    "composition_not_normalised": Bug(
+        "||W_QK W_OV||_F was not divided by ||W_QK||_F ||W_OV||_F, so the score grows with the "
+        "size of the weights; normalised, it compares heads of any scale.",
+        _link("18_circuits"),
+    ),
+    "composition_order_swapped": Bug(
+        "The product ran the other way, W_OV W_QK: the earlier head's output (W_OV) is what the "
+        "later head's W_QK reads, so the product is W_QK W_OV.",
+        _link("18_circuits"),
+    ),
+    "merge_plain_average": Bug(
+        "The two partial outputs were averaged with equal weights; each part weighs "
+        "e^(L_part - L), its share of the whole softmax's denominator.",
+        _link("19_merging_partials"),
+    ),
+    "merge_without_max": Bug(
+        "e^L was taken without a shift: it overflows for L above about 88 in float32, and a "
+        "query that saw no key in either part gives -inf - (-inf) = NaN. Shift by the larger L, "
+        "and give a part with L = -inf the weight 0.",
+        _link("19_merging_partials"),
+    ),
+    "ring_partials_averaged": Bug(
+        "The shards' partial outputs were averaged; merge them with their log-sum-exps "
+        "(eq. 19.1), so that each shard counts with its share of the softmax.",
+        _link("20_ring_attention"),
+    ),
+    "ring_empty_shard_nan": Bug(
+        "A shard wholly in a query's future makes a softmax over a row of -inf, NaN, and NaN "
+        "times the weight 0 is still NaN: such a partial must be 0 with L = -inf.",
+        _link("20_ring_attention"),
     ),
 }
 
@@ -485,6 +526,64 @@ def _induction(weights, offset, first=None, back=None):
     return weights.double()[:, i, i - back].mean(-1)
 
 
+# ---- chapters 17-20 ------------------------------------------------------------------------
+
+
+def _bits_per_byte(loss, tokens, text_bytes, per_byte=True, bits=True):
+    total = loss * tokens / (math.log(2) if bits else 1.0)
+    return total / (text_bytes if per_byte else tokens)
+
+
+def _composition(w_qk, w_ov, normalised=True, swapped=False):
+    w_qk, w_ov = w_qk.double(), w_ov.double()
+    product = w_ov @ w_qk if swapped else w_qk @ w_ov
+    scale = torch.linalg.matrix_norm(w_qk) * torch.linalg.matrix_norm(w_ov) if normalised else 1
+    return torch.linalg.matrix_norm(product) / scale
+
+
+def _ref_merge(out_a, lse_a, out_b, lse_b):
+    return merge_attention(*_f64(out_a, lse_a, out_b, lse_b))
+
+
+def _merge_average(out_a, lse_a, out_b, lse_b):
+    out_a, lse_a, out_b, lse_b = _f64(out_a, lse_a, out_b, lse_b)
+    return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
+
+
+def _merge_without_max(out_a, lse_a, out_b, lse_b):
+    lse = torch.log(lse_a.float().exp() + lse_b.float().exp())  # float32: inf above 88
+    out = (lse_a - lse).exp()[..., None] * out_a + (lse_b - lse).exp()[..., None] * out_b
+    return out.double(), lse.double()
+
+
+def _shard_partials(q, k, v, processes, torch_softmax=False):
+    """Per contiguous shard of the keys: (out, lse) of every query over that shard (causal)."""
+    q, k, v = _f64(q, k, v)
+    t, size = q.shape[2], q.shape[2] // processes
+    parts = []
+    for j0 in range(0, t, size):
+        visible = _tril(t, t)[:, j0 : j0 + size]  # [T, size]
+        scores = (q @ k[:, :, j0 : j0 + size].transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~visible, -math.inf)
+        weights = torch.softmax(scores, -1) if torch_softmax else softmax(scores)
+        parts.append((weights @ v[:, :, j0 : j0 + size], scores.logsumexp(-1)))
+    return parts
+
+
+def _ring(q, k, v, processes, torch_softmax=False):
+    parts = _shard_partials(q, k, v, processes, torch_softmax)
+    out, lse = parts[0]
+    for part in parts[1:]:
+        out, lse = merge_attention(out, lse, *part)
+    return out
+
+
+def _ring_averaged(q, k, v, processes):
+    parts = _shard_partials(q, k, v, processes)
+    seen = torch.stack([torch.isfinite(lse) for _, lse in parts]).double().sum(0)  # [B, H, T]
+    return sum(out for out, _ in parts) / seen[..., None]
+
+
 _WRONG = {
     "softmax_over_queries": _causal_bug(dim=-2),
     "mask_after_softmax": _causal_bug(after="zero"),
@@ -537,6 +636,14 @@ _WRONG = {
     "flops_causal_half": _flops_causal_half,
     "induction_same_token": lambda w, offset: _induction(w, offset, back=offset),
     "induction_over_all_queries": lambda w, offset: _induction(w, offset, first=offset - 1),
+    "bits_per_token": lambda loss, n, size: _bits_per_byte(loss, n, size, per_byte=False),
+    "nats_not_bits": lambda loss, n, size: _bits_per_byte(loss, n, size, bits=False),
+    "composition_not_normalised": lambda w_qk, w_ov: _composition(w_qk, w_ov, normalised=False),
+    "composition_order_swapped": lambda w_qk, w_ov: _composition(w_qk, w_ov, swapped=True),
+    "merge_plain_average": _merge_average,
+    "merge_without_max": _merge_without_max,
+    "ring_partials_averaged": _ring_averaged,
+    "ring_empty_shard_nan": lambda q, k, v, p: _ring(q, k, v, p, torch_softmax=True),
 }
 
 
@@ -745,6 +852,43 @@ def _induction_cases():
         scores = 2 * _randn(gen, h, t, t)
         weights = softmax(scores.masked_fill(~_tril(t, t), -math.inf))  # [H, T, T], causal
         cases.append(Case((weights, offset), f"H={h}, T={t}, offset={offset}"))
+    return cases
+
+
+def _bits_cases():
+    sizes = [(4.0, 1000, 3500), (2.3, 512, 2048), (1.0, 100, 100), (0.5, 7, 29)]
+    return [Case(s, f"loss={s[0]}, tokens={s[1]}, text_bytes={s[2]}") for s in sizes]
+
+
+def _composition_cases():
+    gen = torch.Generator().manual_seed(19)
+    return [Case((_randn(gen, d, d), 3 * _randn(gen, d, d)), f"d={d}") for d in (4, 8, 3, 16)]
+
+
+def _merge_cases():
+    gen, cases = torch.Generator().manual_seed(20), []
+    for shape, shift in [((2, 2, 3, 4), 0.0), ((1, 3, 5, 2), 100.0), ((2, 1, 4, 3), 0.0)]:
+        out_a, out_b = _randn(gen, *shape), _randn(gen, *shape)
+        lse_a, lse_b = (3 * _randn(gen, *shape[:-1]) + shift for _ in "ab")
+        label = f"out {list(shape)}" + (f", L near {shift:g}" if shift else "")
+        cases.append(Case((out_a, lse_a, out_b, lse_b), label))
+    out_a, out_b = _randn(gen, 1, 1, 3, 2), torch.zeros(1, 1, 3, 2)
+    lse_a, lse_b = torch.tensor([[[0.5, -math.inf, 2.0]]]), torch.full((1, 1, 3), -math.inf)
+    out_a[0, 0, 1] = 0.0  # a query that saw no key in either part
+    cases.append(Case((out_a, lse_a, out_b, lse_b), "parts with L = -inf"))
+    return cases
+
+
+def _ring_cases():
+    gen, cases = torch.Generator().manual_seed(21), []
+    for b, h, t, d, processes in [
+        (1, 2, 8, 4, 2),
+        (2, 1, 12, 8, 3),
+        (1, 2, 8, 4, 4),
+        (1, 1, 6, 4, 1),
+    ]:
+        q, k, v = (_randn(gen, b, h, t, d) for _ in range(3))
+        cases.append(Case((q, k, v, processes), f"B={b}, H={h}, T={t}, D={d}, P={processes}"))
     return cases
 
 
@@ -973,6 +1117,41 @@ EXERCISES = {
         _induction,
         ("scores [H]",),
         ("induction_same_token", "induction_over_all_queries"),
+    ),
+    "bits_per_byte": Exercise(
+        "fn(loss, tokens, text_bytes) -> bits; loss in nats per token, counts as ints",
+        "The model's loss over a text as bits per byte of that text.",
+        _bits_cases,
+        _bits_per_byte,
+        ("bits (a number)",),
+        ("bits_per_token", "nats_not_bits"),
+    ),
+    "composition_score": Exercise(
+        "fn(w_qk, w_ov) -> score; w_qk and w_ov [d, d] -> a number",
+        "||W_QK W_OV||_F / (||W_QK||_F ||W_OV||_F): how much of the later head's W_QK reads "
+        "what the earlier head's W_OV writes.",
+        _composition_cases,
+        _composition,
+        ("score (a number)",),
+        ("composition_not_normalised", "composition_order_swapped"),
+    ),
+    "merge_partials": Exercise(
+        "fn(out_a, lse_a, out_b, lse_b) -> (out, lse); out [..., T, Dv], lse [..., T]",
+        "Two partial attentions over disjoint keys merged into one (eq. 19.1); L = -inf where a "
+        "query saw no key in a part.",
+        _merge_cases,
+        _ref_merge,
+        ("out [..., T, Dv]", "lse [..., T]"),
+        ("merge_plain_average", "merge_without_max"),
+    ),
+    "ring_attention_simulated": Exercise(
+        "fn(q, k, v, processes) -> out; q, k, v [B, H, T, D], T a multiple of processes",
+        "Causal attention computed shard by shard: the keys in `processes` contiguous shards, "
+        "each shard's partial (out, L) for every query, merged.",
+        _ring_cases,
+        _ring,
+        ("out [B, H, T, D]",),
+        ("ring_partials_averaged", "ring_empty_shard_nan"),
     ),
 }
 
