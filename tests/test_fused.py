@@ -81,8 +81,13 @@ def test_lse_and_gradients_flow_through_the_same_function():
     for a, b in zip(results["torch"], results["cpp"]):
         assert torch.allclose(a, b, atol=1e-12)
     reference = brute_force(q, k, v, torch.arange(12).expand(2, -1), torch.arange(12).expand(2, -1))
+    small = [x.detach()[:1, :2, :5, :3].clone().requires_grad_() for x in (q, k, v)]
+    small[1], small[2] = (
+        small[1][:, :1].detach().requires_grad_(),
+        small[2][:, :1].detach().requires_grad_(),
+    )
     assert torch.autograd.gradcheck(
-        lambda q, k, v: tiled_attention(q, k, v, block_size=5, inner="cpp"), (q, k, v)
+        lambda q, k, v: tiled_attention(q, k, v, block_size=2, inner="cpp"), small
     )
     assert torch.allclose(results["cpp"][0], reference, atol=1e-12)
 
