@@ -1,4 +1,4 @@
-"""The command line: `python -m attnlib check-qwen3 ...` and `python -m attnlib bench ...`.
+"""The command line: `python -m attnlib check-qwen3 | bench | train-lm ...`.
 
 Each command imports its heavy libraries (transformers; matplotlib and tqdm) only when it runs.
 """
@@ -151,9 +151,45 @@ def bench(args) -> int:
     return 0
 
 
+def lm_arguments(parser) -> None:
+    """The options of `train-lm`."""
+    parser.add_argument("--out", default="artifacts/stdlib_lm", help="checkpoint folder")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model in seconds, for tests")
+    parser.add_argument("--steps", type=int, help="training steps (default 1000; tiny 40)")
+    parser.add_argument(
+        "--repeat-fraction", type=float, help="share of windows given a repeated segment (0)"
+    )
+
+
+def train_lm(args) -> int:
+    """Train the small Qwen3 on the standard library through attnlib's attention; save it."""
+    from . import lm
+
+    settings = lm.TINY if args.tiny else lm.Settings()
+    if args.steps is not None:
+        if args.steps < 1:
+            print(f"error: --steps must be at least 1, got {args.steps}", file=sys.stderr)
+            return 2
+        settings = settings._replace(steps=args.steps)
+    if args.repeat_fraction is not None:
+        if not 0.0 <= args.repeat_fraction <= 1.0:
+            print("error: --repeat-fraction must be in [0, 1]", file=sys.stderr)
+            return 2
+        settings = settings._replace(repeat_fraction=args.repeat_fraction)
+    report = lm.train(args.out, args.seed, settings)
+    print(
+        f"trained {report['parameters']:,} parameters in {report['train_seconds']:.0f} s: "
+        f"train loss {report['final_train_loss']:.3f}, held-out {report['heldout_loss']:.3f} "
+        f"nats/token, {report['heldout_bits_per_byte']:.3f} bits/byte; wrote {args.out}"
+    )
+    return 0
+
+
 COMMANDS = {
     "check-qwen3": (qwen3_arguments, check_qwen3, "Check the book's attention against Qwen3."),
     "bench": (bench_arguments, bench, "Time and measure naive, tiled and fused attention."),
+    "train-lm": (lm_arguments, train_lm, "Train the small Qwen3 on the standard library."),
 }
 
 
