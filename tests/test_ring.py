@@ -39,10 +39,10 @@ def no_children_left():
     return not multiprocessing.active_children()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ring_equals_causal_attention(world):
+@pytest.mark.parametrize("world, start_method", [(2, "spawn"), (4, "forkserver")])
+def test_ring_equals_causal_attention(world, start_method):
     jobs = cases()
-    results = ring_runs(jobs, world, timeout=90)
+    results = ring_runs(jobs, world, timeout=90, start_method=start_method)
     assert no_children_left()
     for job, result in zip(jobs, results):
         want = causal_attention(job["q"], job["k"], job["v"], causal=job["causal"])
@@ -65,6 +65,8 @@ def test_tiles_before_and_after_balancing():
     contiguous, zigzag = per_process("contiguous"), per_process("zigzag")
     assert contiguous == sorted(contiguous) and contiguous[-1] > 4 * contiguous[0]
     assert max(zigzag) - min(zigzag) <= 1 and sum(zigzag) == sum(contiguous)
+    for step in schedule(4, 64, "zigzag", 4):  # even at every step, not only in total
+        assert len({tiles for _, tiles in step}) == 1
     full = per_process("contiguous", world=2, length=8, tile=4)
     assert full == [1, 2]  # its own diagonal tile, then one full tile of the earlier shard
 
@@ -83,7 +85,9 @@ def test_shards_cover_the_sequence_once():
 
 def test_a_failing_process_stops_the_ring():
     q = torch.randn(1, 1, 8, 4)
-    with pytest.raises(RuntimeError, match="process 1 failed on purpose"):
+    with pytest.raises(
+        RuntimeError, match="the first: process 1: RuntimeError: process 1 failed on purpose"
+    ):
         ring_attention(q, q, q, 2, fail_rank=1, timeout=60)
     assert no_children_left()
 
@@ -92,4 +96,14 @@ def test_a_slow_ring_times_out_and_stops():
     q = torch.randn(1, 1, 8, 4)
     with pytest.raises(TimeoutError, match="did not finish in 0.5 s"):
         ring_attention(q, q, q, 2, timeout=0.5)
+    assert no_children_left()
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the refusal on a machine without GPUs"
+)
+def test_the_nccl_backend_reaches_the_workers():
+    q = torch.randn(1, 1, 8, 4)
+    with pytest.raises(RuntimeError, match="a ring process failed"):
+        ring_attention(q, q, q, 2, backend="nccl", timeout=60, start_method="forkserver")
     assert no_children_left()

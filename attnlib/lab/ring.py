@@ -9,6 +9,8 @@ every query has seen every key. The workers live here, importable, so that
 when one fails or the run outlasts its timeout.
 """
 
+import logging
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -24,6 +26,7 @@ from torch.multiprocessing.spawn import ProcessException
 from attnlib import merge_attention, tiled_attention
 
 ORDERS = ("contiguous", "zigzag")
+SPAWN_LOG = logging.getLogger("torch.multiprocessing.spawn")
 
 
 def shard_runs(order: str, rank: int, world: int, length: int) -> list:
@@ -81,12 +84,12 @@ def bytes_sent_formula(world, batch, kv_heads, length, head_dim, value_dim, elem
 
 def _ring_job(rank, world, job, device):
     """One process's ring (eq. 19.1): its queries stay, K/V shards pass by."""
-    q, k, v = (job[name].to(device) for name in "qkv")
-    order, causal, tile = (job[x] for x in ("order", "causal", "tile"))
-    length, dim = q.shape[2], k.shape[-1]
+    q_mine, k_mine, v_mine = (job[name].to(device) for name in "qkv")  # shards
+    order, causal = job["order"], job["causal"]
+    tile, length = job["tile"], job["length"]
     mine = shard_positions(order, rank, world, length).to(device)
-    q_mine = q[:, :, mine]  # [B, Hq, T/P, D]
-    kv = torch.cat([k[:, :, mine], v[:, :, mine]], dim=-1)  # one message
+    kv = torch.cat([k_mine, v_mine], dim=-1)  # K and V as one message
+    dim = k_mine.shape[-1]
     # Non-causal: every query "sits" at the last position and sees every key.
     query_positions = mine if causal else torch.full_like(mine, length - 1)
     out = lse = None
@@ -119,8 +122,20 @@ def _ring_job(rank, world, job, device):
     return dict(out=out.cpu(), positions=mine.cpu(), tiles=tiles, sent=sent)
 
 
-def ring_worker(rank, world, port, backend, jobs, folder, fail_rank, timeout):
-    """One process of the ring: join the group, run every job, save the results to `folder`."""
+def _shard_of(job, rank, world):
+    """The part of a job {q, k, v, order, causal, tile} that process `rank` holds."""
+    length = job["q"].shape[2]
+    if job["k"].shape[2] != length:
+        raise ValueError("ring attention here shards one sequence: T queries and T keys")
+    mine = shard_positions(job["order"], rank, world, length)
+    shards = {name: job[name][:, :, mine].clone() for name in "qkv"}
+    return {**job, **shards, "length": length}
+
+
+def ring_worker(rank, world, port, backend, folder, fail_rank, timeout):
+    """One process of the ring: read its shards from `folder`, join the group, run every job,
+    save the results to `folder`."""
+    jobs = torch.load(os.path.join(folder, f"in{rank}.pt"))  # this process's shards only
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     device = torch.device("cpu")
@@ -135,8 +150,19 @@ def ring_worker(rank, world, port, backend, jobs, folder, fail_rank, timeout):
             raise RuntimeError(f"process {rank} failed on purpose")
         results = [_ring_job(rank, world, job, device) for job in jobs]
         torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
+    except Exception as error:  # note when, so the parent can name the first failure
+        with open(os.path.join(folder, f"failed{rank}.txt"), "w") as note:
+            note.write(f"{time.time()!r} process {rank}: {type(error).__name__}: {error}")
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _first_failure(folder) -> str:
+    """The failure noted first by a worker, or '' if none was noted."""
+    notes = [name for name in os.listdir(folder) if name.startswith("failed")]
+    texts = sorted(open(os.path.join(folder, name)).read() for name in notes)
+    return min(texts, key=lambda text: float(text.split()[0])).split(" ", 1)[1] if texts else ""
 
 
 def free_port() -> int:
@@ -171,36 +197,44 @@ def ring_runs(
 
     Returns a RingResult per job. Raises TimeoutError after `timeout` seconds, and
     RuntimeError when a process fails; either way no process is left running.
+    start_method "spawn" starts a fresh Python per process; "forkserver" imports this module
+    once in a server process and forks every worker from it (much faster to start).
     """
-    for job in jobs:
-        if job["q"].shape[2] != job["k"].shape[2]:
-            raise ValueError("ring attention here shards one sequence: T queries and T keys")
+    if start_method == "forkserver":  # takes effect when the server starts, the first time
+        multiprocessing.set_forkserver_preload([__name__])
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        args = (world, free_port(), backend, jobs, folder, fail_rank, timeout)
+        for rank in range(world):  # each process will load its own shards, nothing more
+            shards = [_shard_of(job, rank, world) for job in jobs]
+            torch.save(shards, os.path.join(folder, f"in{rank}.pt"))
+        args = (world, free_port(), backend, folder, fail_rank, timeout)
         context = mp.start_processes(
             ring_worker, args, nprocs=world, join=False, start_method=start_method
         )
+        quiet, level = SPAWN_LOG, SPAWN_LOG.level  # silence "Terminating process ..."
+        quiet.setLevel(logging.ERROR)
         try:
             while not context.join(timeout=0.1):
                 if time.perf_counter() - start > timeout:
                     raise TimeoutError(f"the ring of {world} did not finish in {timeout} s")
         except ProcessException as error:
-            raise RuntimeError(f"a ring process failed: {error}") from None
+            first = _first_failure(folder) or str(error)
+            raise RuntimeError(f"a ring process failed; the first: {first}") from None
         finally:
             _stop(context)
+            quiet.setLevel(level)
         ranks = [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(world)]
     seconds = time.perf_counter() - start
-    results = []
-    for j, job in enumerate(jobs):
-        shape = job["q"].shape[:3] + job["v"].shape[3:]
-        out = torch.empty(shape, dtype=job["q"].dtype)
-        for rank in ranks:
-            out[:, :, rank[j]["positions"]] = rank[j]["out"].to(out.dtype)
-        tiles = [rank[j]["tiles"] for rank in ranks]
-        sent = [rank[j]["sent"] for rank in ranks]
-        results.append(RingResult(out, tiles, sent, seconds))
-    return results
+    return [_collect(job, [rank[j] for rank in ranks], seconds) for j, job in enumerate(jobs)]
+
+
+def _collect(job, parts, seconds) -> RingResult:
+    """Put the processes' output shards back in sequence order."""
+    out = torch.empty(job["q"].shape[:3] + job["v"].shape[3:], dtype=job["q"].dtype)
+    for part in parts:
+        out[:, :, part["positions"]] = part["out"].to(out.dtype)
+    tiles, sent = [part["tiles"] for part in parts], [part["sent"] for part in parts]
+    return RingResult(out, tiles, sent, seconds)
 
 
 def ring_attention(q, k, v, world, order="contiguous", causal=True, tile=16, **options):
