@@ -104,3 +104,20 @@ def decode_timings(keys=32768, dim=64, chunks=(32768, 8192, 2048), workers=(1, 2
     finally:
         for pool in pools.values():
             pool.shutdown()
+
+
+def thread_control(size=512, repeats=5) -> dict:
+    """A control for `decode_timings`: two compute-bound matmuls one after the other against
+    the same two on two threads (median seconds). No gain here means no idle core to use."""
+    from .timing import interleaved_medians
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=gen) for _ in range(2))
+    with ThreadPoolExecutor(2) as pool:
+        return interleaved_medians(
+            {
+                "one thread": lambda: [a @ a, b @ b],
+                "two threads": lambda: list(pool.map(lambda x: x @ x, (a, b))),
+            },
+            repeats,
+        )
