@@ -78,6 +78,16 @@ def test_loads_offline_in_a_fresh_process():
     assert result.stdout.split() == ["4", "2048"]
 
 
+def test_repeats_checkpoint_loads_with_the_same_tokenizer():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(lm.CHECKPOINT / "repeats")
+    assert model.config.vocab_size == 2048
+    assert lm.manifest(lm.CHECKPOINT / "repeats")["settings"]["repeat_fraction"] == 0.5
+    shipped = (lm.CHECKPOINT / "tokenizer.json").read_bytes()
+    assert (lm.CHECKPOINT / "repeats" / "tokenizer.json").read_bytes() == shipped
+
+
 def _logits_and_grads(model, name, ids, mask):
     attention_interface.use(model, name)
     model.zero_grad(set_to_none=True)
