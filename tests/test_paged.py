@@ -118,3 +118,16 @@ def test_memory_table_counts_blocks_and_reserved_slots():
     assert table["tokens"] == 34 and table["blocks"] == 4
     assert table["paged_bytes"] == 4 * 16 * 8 and table["contiguous_bytes"] == 3 * 17 * 8
     assert table["paged_used"] == 34 / 64
+
+
+def test_the_block_table_figure_draws_every_block():
+    from attnlib.figures.paged import block_table_figure
+    from attnlib.figures.plots import plt
+
+    paged = PagedKVCache(20, 4, KV_HEADS, DIM)
+    paged.add("a")
+    paged.append("a", torch.zeros(KV_HEADS, 6, DIM), torch.zeros(KV_HEADS, 6, DIM))
+    paged.fork("a", "b")
+    fig = block_table_figure(paged, per_row=8)
+    assert len(fig.axes[0].patches) == 20
+    plt.close(fig)

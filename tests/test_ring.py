@@ -107,3 +107,16 @@ def test_the_nccl_backend_reaches_the_workers():
     with pytest.raises(RuntimeError, match="a ring process failed"):
         ring_attention(q, q, q, 2, backend="nccl", timeout=60, start_method="forkserver")
     assert no_children_left()
+
+
+def test_the_ring_figure_counts_the_schedule():
+    from attnlib.figures.plots import plt
+    from attnlib.figures.ring import _tile_owner, ring_step_figure
+
+    for order in ("contiguous", "zigzag"):
+        steps = schedule(4, 64, order, 4)
+        for step in range(4):
+            owner = _tile_owner(4, 64, order, 4, step)
+            done = sum(tiles for row in steps[: step + 1] for _, tiles in row)
+            assert (owner >= 0).sum() == done
+    plt.close(ring_step_figure(4, 64, "zigzag", 4, 1))

@@ -2,6 +2,7 @@
 
 import numpy as np
 from matplotlib.colors import ListedColormap
+from matplotlib.patches import Patch
 
 from ..lab.ring import shard_runs, tiles_computed
 from .plots import plt
@@ -32,7 +33,7 @@ def ring_step_figure(world, length, order, tile, step):
     coloured by process, and the shard each process holds at that step."""
     grid = _tile_owner(world, length, order, tile, step)
     cmap = ListedColormap(["#f2f2f2"] + [COLOURS[r] for r in range(world)])
-    fig, ax = plt.subplots(figsize=(5.2, 4.6))
+    fig, ax = plt.subplots(figsize=(6.2, 4.6))
     ax.imshow(grid + 1, cmap=cmap, vmin=0, vmax=world, interpolation="nearest")
     ax.set_xlabel(f"key tile ({tile} positions each)")
     ax.set_ylabel(f"query tile ({tile} positions each)")
@@ -43,6 +44,8 @@ def ring_step_figure(world, length, order, tile, step):
     ]
     held = ", ".join(f"p{r}: K/V {(r - step) % world}" for r in range(world))
     ax.set_title(f"{order}, step {step}\nholds {held}\ntiles so far {done}", fontsize=9)
+    handles = [Patch(color=COLOURS[r], label=f"process {r}") for r in range(world)]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
     fig.tight_layout()
     return fig
 
