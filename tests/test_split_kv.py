@@ -47,3 +47,12 @@ def test_chunk_bounds_cover_the_keys_once_and_bad_chunks_are_refused():
             chunk_bounds(10, bad)
     with pytest.raises(ValueError, match="no partials"):
         merge_all([])
+
+
+def test_the_timing_helpers_time_every_configuration():
+    from attnlib.lab.split_kv import decode_timings, thread_control
+
+    times = decode_timings(keys=256, dim=8, chunks=(256, 64), workers=(1, 2), repeats=1)
+    assert set(times) == {(256, 1), (256, 2), (64, 1), (64, 2)}
+    assert all(seconds > 0 for seconds in times.values())
+    assert set(thread_control(size=32, repeats=1)) == {"one thread", "two threads"}

@@ -241,7 +241,8 @@ def ring_attention(q, k, v, world, order="contiguous", causal=True, tile=16, **o
     """Attention of q [B, Hq, T, D] to k, v [B, Hkv, T, D] on a ring of `world` processes.
 
     Equals `causal_attention(q, k, v)` (or with causal=False) to float tolerance; `options`
-    go to `ring_runs` (backend="gloo" or "nccl", timeout, fail_rank). Returns a RingResult.
+    go to `ring_runs`: backend ("gloo", or "nccl" with one GPU per process), timeout,
+    fail_rank, start_method. Returns a RingResult.
     """
     job = {"q": q, "k": k, "v": v, "order": order, "causal": causal, "tile": tile}
     return ring_runs([job], world, **options)[0]
