@@ -186,3 +186,18 @@ def test_the_chapter_run_holds_chapter_16s_checkpoints():
     )
     for name, weight in run[50].items():
         assert torch.allclose(history.checkpoints[50][name], weight, atol=1e-4), name
+
+
+@pytest.mark.parametrize("seed", circuits.OTHER_SEEDS)
+def test_the_circuit_claims_hold_after_training_each_other_seed_afresh(seed, random_largest):
+    """Chapter 16's training from seed s (about 10 s each on one thread), then the claims."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        state = circuits.train_run(seed, steps=(SETUP.steps,))[SETUP.steps]
+    finally:
+        torch.set_num_threads(threads)
+    model = induction.make_model(seed, SETUP)
+    model.load_state_dict(state)
+    data = induction.task_batch(SETUP, 512, torch.Generator().manual_seed(999))
+    assert circuits.failed_circuit_claims(model, data, random_largest) == []
