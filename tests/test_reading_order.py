@@ -36,7 +36,7 @@ INTRODUCED = {
     **dict.fromkeys(["longest_fitting_length", "growth_exponent", "cost"], 13),
     "heads": 6,
     **dict.fromkeys(["tiled_attention", "visible_pairs", "tiled"], 14),
-    **dict.fromkeys(["merge_attention", "merge"], 18),
+    **dict.fromkeys(["merge_attention", "merge"], 19),
 }
 
 

@@ -3,7 +3,7 @@
 Process r keeps its queries and passes its keys and values around a ring: at step s it holds
 the K/V shard of process (r - s) mod P, attends to it with `tiled_attention(...,
 return_lse=True)` and folds the partial into its running answer with `merge_attention`
-(eq. 18.1), while the next shard is already on its way (`batch_isend_irecv`). After P steps
+(eq. 19.1), while the next shard is already on its way (`batch_isend_irecv`). After P steps
 every query has seen every key. The workers live here, importable, so that
 `torch.multiprocessing` can spawn them from a notebook; every run stops its processes, also
 when one fails or the run outlasts its timeout.
@@ -56,7 +56,7 @@ def _tiles(runs, tile):
 
 
 def tiles_computed(query_runs, key_runs, tile: int, causal: bool = True) -> int:
-    """Tiles of tile x tile (query, key) positions holding a visible pair (eq. 19.2)."""
+    """Tiles of tile x tile (query, key) positions holding a visible pair (eq. 20.2)."""
     query_tiles, key_tiles = _tiles(query_runs, tile), _tiles(key_runs, tile)
     if not causal:
         return len(query_tiles) * len(key_tiles)
@@ -76,14 +76,14 @@ def schedule(world: int, length: int, order: str, tile: int, causal: bool = True
 
 
 def bytes_sent_formula(world, batch, kv_heads, length, head_dim, value_dim, element_size=4):
-    """Bytes one process sends: P-1 shards of K and V, each [B, Hkv, T/P, D] (eq. 19.3)."""
+    """Bytes one process sends: P-1 shards of K and V, each [B, Hkv, T/P, D] (eq. 20.3)."""
     return (
         (world - 1) * batch * kv_heads * (length // world) * (head_dim + value_dim) * element_size
     )
 
 
 def _ring_job(rank, world, job, device):
-    """One process's ring (eq. 19.1): its queries stay, K/V shards pass by."""
+    """One process's ring (eq. 20.1): its queries stay, K/V shards pass by."""
     q_mine, k_mine, v_mine = (job[name].to(device) for name in "qkv")  # shards
     order, causal = job["order"], job["causal"]
     tile, length = job["tile"], job["length"]
