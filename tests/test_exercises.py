@@ -4,6 +4,7 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from hypothesis import strategies as st
 
 import attnlib.lab.exercises as ex_mod
 from attnlib.lab.exercises import BUGS, EXERCISES, check
+
+REPO = Path(__file__).resolve().parent.parent
 
 # ---- readers' answers, written the way a reader might -----------------------------------------
 
@@ -598,8 +601,10 @@ def test_every_bug_is_planted_and_listed():
     assert set(PLANTED) == set(BUGS)
     listed = [(bug, name) for name, ex in EXERCISES.items() for bug in ex.bugs]
     assert sorted(listed) == sorted((bug, ex) for bug, ex, _ in PAIRS)
-    for bug in BUGS.values():
-        assert bug.link.startswith("../notebooks/") and bug.link.endswith(".ipynb")
+    for name, bug in BUGS.items():  # ../notebooks/NN_name.ipynb#label, a label of that chapter
+        chapter, label = bug.link.removeprefix("../notebooks/").split(".ipynb#")
+        source = (REPO / "notebooks" / f"{chapter}.ipynb").read_text()
+        assert f'"({label})=\\n"' in source, f"{name}: no ({label})= in {chapter}"
 
 
 def assert_one_verdict(printed: str, exercise: str):

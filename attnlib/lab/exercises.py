@@ -23,7 +23,7 @@ from ..softmax import softmax
 from .decode import kv_cache_bytes
 
 RTOL, ATOL = 1e-3, 1e-4  # float32 answers against float64 references
-CHAPTER = "../notebooks/{}.ipynb"
+SECTION = "../notebooks/{}.ipynb#{}"  # a chapter and the label of the section
 
 
 class Bug(NamedTuple):
@@ -49,236 +49,236 @@ class Case(NamedTuple):
     label: str
 
 
-def _link(chapter: str) -> str:
-    return CHAPTER.format(chapter)
+def _link(chapter: str, label: str) -> str:
+    return SECTION.format(chapter, label)
 
 
 BUGS = {
     "scale_by_d": Bug(
         "The scores are divided by D instead of sqrt(D); the logits shrink as D grows and the "
         "softmax flattens towards uniform.",
-        _link("03_scaling"),
+        _link("03_scaling", "why-sqrt-d"),
     ),
     "no_scale": Bug(
         "The scores are never multiplied by 1/sqrt(D); their spread grows like sqrt(D) and the "
         "softmax saturates.",
-        _link("03_scaling"),
+        _link("03_scaling", "why-sqrt-d"),
     ),
     "softmax_over_queries": Bug(
         "The softmax runs over the queries (dim=-2) instead of the keys (dim=-1), so columns sum "
         "to 1 and each query's weights do not.",
-        _link("02_queries_keys_values"),
+        _link("05_causal_masking", "exercise-5-3"),
     ),
     "mask_after_softmax": Bug(
         "The future is zeroed after the softmax, so the rows no longer sum to 1 and the future "
         "still sets the denominator; mask with -inf before the softmax.",
-        _link("05_causal_masking"),
+        _link("05_causal_masking", "mask-after-softmax"),
     ),
     "mask_after_softmax_renormalised": Bug(
         "Zeroing after the softmax and renormalising is exact on paper, but the softmax saw the "
         "future keys: when a future score dominates, the allowed weights underflow to 0 and the "
         "row becomes 0/0 = NaN. Mask with -inf before the softmax.",
-        _link("05_causal_masking"),
+        _link("05_causal_masking", "mask-after-softmax"),
     ),
     "mask_inverted": Bug(
         "The mask's polarity is inverted: each query sees only its future keys (and the last "
         "query sees nothing). masked_fill fills where the mask is True, so pass ~allowed.",
-        _link("05_causal_masking"),
+        _link("05_causal_masking", "mask-on-the-scores"),
     ),
     "mask_hides_diagonal": Bug(
         "The mask is off by one and hides the diagonal: key j is visible only when j < i, so a "
         "query cannot see itself and the first query sees nothing. The -inf belong strictly "
         "above the diagonal: triu(..., diagonal=1).",
-        _link("05_causal_masking"),
+        _link("05_causal_masking", "mask-on-the-scores"),
     ),
     "reshape_without_transpose": Bug(
         "x.reshape(B, H, T, Dh) has the right shape and the wrong data: it mixes tokens into "
         "heads. Reshape to [B, T, H, Dh], then transpose(1, 2).",
-        _link("06_multi_head"),
+        _link("06_multi_head", "transpose-trap"),
     ),
     "transpose_wrong_axes": Bug(
         "x.transpose(1, 2) swaps tokens with features before the split, which scrambles both. "
         "Split the features first, [B, T, H, Dh], then swap T and H.",
-        _link("06_multi_head"),
+        _link("06_multi_head", "transpose-trap"),
     ),
     "top_left_mask": Bug(
         "The mask is aligned top-left (key j visible to query i when j <= i), as SDPA's "
         "is_causal does; with T < S the new queries are the last T positions, so j <= S-T+i.",
-        _link("07_positions"),
+        _link("07_positions", "is-causal-top-left"),
     ),
     "cache_not_read": Bug(
         "The new query attends only to the new key and ignores the cache, so its output is just "
         "the new value; concatenate the cached keys and values first.",
-        _link("07_positions"),
+        _link("07_positions", "cached-decoding"),
     ),
     "repeat_not_interleave": Bug(
         "k.repeat(1, g, 1, 1) tiles the KV heads (0, 1, 0, 1); query head h needs KV head h // g, "
         "which repeat_interleave(g, dim=1) gives (0, 0, 1, 1).",
-        _link("09_grouped_query"),
+        _link("09_grouped_query", "repeat-kv"),
     ),
     "rope_interleaved_pairs": Bug(
         "Features (2i, 2i+1) were rotated together, the interleaved layout; rotate-half pairs "
         "feature i with feature i + D/2.",
-        _link("08_rotary_positions"),
+        _link("08_rotary_positions", "rotate-half"),
     ),
     "rope_rotate_half_pairs": Bug(
         "Feature i was paired with feature i + D/2, the rotate-half layout; the interleaved "
         "layout rotates the neighbours (2i, 2i+1).",
-        _link("08_rotary_positions"),
+        _link("08_rotary_positions", "rotate-half"),
     ),
     "rope_positions_off_by_one": Bug(
         "Every token is rotated by the angle of the next position: positions + 1 instead of the "
         "positions given (the first token is not rotated at all).",
-        _link("08_rotary_positions"),
+        _link("08_rotary_positions", "rope-and-positions"),
     ),
     "rope_on_v": Bug(
         "RoPE was applied to the values too; it belongs on queries and keys only, where it makes "
         "the scores depend on relative position.",
-        _link("08_rotary_positions"),
+        _link("08_rotary_positions", "exercise-8-4"),
     ),
     "online_sum_not_rescaled": Bug(
         "When the running maximum grows, the running sum l must be multiplied by exp(m - m') "
         "like the output accumulator; here it is not.",
-        _link("14_tiling"),
+        _link("14_tiling", "online-softmax-by-blocks"),
     ),
     "online_output_not_rescaled": Bug(
         "When the running maximum grows, the output accumulator o must be multiplied by "
         "exp(m - m') like the running sum; here it is not.",
-        _link("14_tiling"),
+        _link("14_tiling", "online-softmax-by-blocks"),
     ),
     "backward_without_delta": Bug(
         "dZ = P * (dP - delta) needs the row-sum term delta_i = dO_i . O_i; without it dq and dk "
         "are wrong (dv is right).",
-        _link("15_backward"),
+        _link("15_backward", "backward-derived"),
     ),
     "pads_not_masked": Bug(
         "The pads are not masked: real tokens attend to the pad slots before them. Combine the "
         "causal rule with a key mask that hides the pads.",
-        _link("07_positions"),
+        _link("07_positions", "padded-batches"),
     ),
     "masked_row_nan": Bug(
         "A query that sees no key (a pad) gives NaN: softmax over a row of -inf is 0/0. Such a "
         "row must output zeros.",
-        _link("05_causal_masking"),
+        _link("05_causal_masking", "fully-masked-softmax"),
     ),
     "plain_sum_weights": Bug(
         "The scores were divided by their sum instead of passed through the softmax: negative "
         "scores give negative weights, and a row whose scores sum to nearly 0 explodes.",
-        _link("01_context"),
+        _link("01_context", "plain-sum"),
     ),
     "weights_over_columns": Bug(
         "The softmax ran down the columns (dim=0), so each key's weights sum to 1 and each "
         "token's do not; normalise along each row, over the tokens a token looks at.",
-        _link("01_context"),
+        _link("01_context", "every-token-at-once"),
     ),
     "keys_projected_by_w_q": Bug(
         "The keys were made with W_Q, so the scores are q_i . q_j: symmetric again, as without "
         "projections; keys need their own matrix W_K.",
-        _link("02_queries_keys_values"),
+        _link("02_queries_keys_values", "plain-dot-products"),
     ),
     "scale_by_value_width": Bug(
         "The scores were divided by sqrt(d_v), the width of the values; the dot products are "
         "d_k wide, so the scale is 1/sqrt(d_k).",
-        _link("02_queries_keys_values"),
+        _link("03_scaling", "dot-product-size"),
     ),
     "scale_by_key_count": Bug(
         "The scores were divided by sqrt(S), the number of keys; the variance of a dot product "
         "grows with its width D, so the scale is 1/sqrt(D).",
-        _link("03_scaling"),
+        _link("03_scaling", "dot-product-size"),
     ),
     "jacobian_diagonal_only": Bug(
         "Only the diagonal a_i (1 - a_i) is there: every weight depends on every score, so the "
         "off-diagonal entries -a_i a_j belong too.",
-        _link("04_softmax_jacobian"),
+        _link("04_softmax_jacobian", "softmax-jacobian"),
     ),
     "jacobian_sign_of_outer": Bug(
         "The outer product was added: the Jacobian is diag(a) - a a^T, and with the + its rows "
         "no longer sum to 0.",
-        _link("04_softmax_jacobian"),
+        _link("04_softmax_jacobian", "softmax-jacobian"),
     ),
     "softmax_without_max": Bug(
         "exp(z) overflows for scores above about 88 in float32 (709 in float64) and inf/inf is "
         "NaN; subtract each row's maximum before exp.",
-        _link("04_softmax_jacobian"),
+        _link("04_softmax_jacobian", "stable-softmax"),
     ),
     "cache_bytes_with_query_heads": Bug(
         "The count used the query heads H_q; the cache holds keys and values of the H_kv "
         "key/value heads only.",
-        _link("10_decoding"),
+        _link("10_decoding", "what-the-cache-holds"),
     ),
     "cache_bytes_keys_only": Bug(
         "Only the keys were counted; every token leaves a key and a value, hence the factor 2.",
-        _link("10_decoding"),
+        _link("10_decoding", "what-the-cache-holds"),
     ),
     "rmsnorm_eps_outside_sqrt": Bug(
         "The epsilon was added after the square root: RMSNorm divides by sqrt(mean(x^2) + eps), "
         "with eps inside.",
-        _link("12_qwen3_lab"),
+        _link("12_qwen3_lab", "the-manual-pass-step-by-step"),
     ),
     "rmsnorm_over_all_heads": Bug(
         "The mean of squares ran over all the heads' features (H * D); Qwen3's q_norm and k_norm "
         "normalise each head's D features on their own.",
-        _link("12_qwen3_lab"),
+        _link("12_qwen3_lab", "the-manual-pass-step-by-step"),
     ),
     "flops_one_product": Bug(
         "Only the scores Q K^T were counted; the output A V is a second product of the same "
         "size, 2 T S D_v more.",
-        _link("13_cost"),
+        _link("13_cost", "counting-the-flops"),
     ),
     "flops_causal_half": Bug(
         "The causal count took half the pairs, T S / 2; query i sees S - T + i + 1 keys, so the "
         "visible pairs number T S - T (T - 1) / 2.",
-        _link("13_cost"),
+        _link("13_cost", "counting-the-flops"),
     ),
     "induction_same_token": Bug(
         "This is the weight on the earlier occurrence of the query's own token (key i - o): a "
         "duplicate-token score. An induction head looks one further, at key i - o + 1.",
-        _link("16_induction_heads"),
+        _link("16_induction_heads", "claims-2-and-3"),
     ),
     "induction_over_all_queries": Bug(
         "The mean ran over every query from position o - 1 on; the queries of eq. 16.2 are those "
         "whose next token is a copy, i from o to T - 2.",
-        _link("16_induction_heads"),
+        _link("16_induction_heads", "claims-2-and-3"),
     ),
     "bits_per_token": Bug(
         "The loss became bits per token, not per byte: the total bits are divided by the "
         "tokens where the bytes of the text belong.",
-        _link("17_language_model"),
+        _link("17_language_model", "what-it-learned"),
     ),
     "nats_not_bits": Bug(
         "The loss stayed in nats: one bit is ln 2 nats, so divide by ln 2.",
-        _link("17_language_model"),
+        _link("17_language_model", "what-it-learned"),
     ),
     "composition_not_normalised": Bug(
         "||W_QK W_OV||_F was not divided by ||W_QK||_F ||W_OV||_F, so the score grows with the "
         "size of the weights; normalised, it compares heads of any scale.",
-        _link("18_circuits"),
+        _link("18_circuits", "composition"),
     ),
     "composition_order_swapped": Bug(
         "The product ran the other way, W_OV W_QK: the earlier head's output (W_OV) is what the "
         "later head's W_QK reads, so the product is W_QK W_OV.",
-        _link("18_circuits"),
+        _link("18_circuits", "composition"),
     ),
     "merge_plain_average": Bug(
         "The two partial outputs were averaged with equal weights; each part weighs "
         "e^(L_part - L), its share of the whole softmax's denominator.",
-        _link("19_merging_partials"),
+        _link("19_merging_partials", "two-partial-answers"),
     ),
     "merge_without_max": Bug(
         "e^L was taken without a shift: it overflows for L above about 88 in float32, and a "
         "query that saw no key in either part gives -inf - (-inf) = NaN. Shift by the larger L, "
         "and give a part with L = -inf the weight 0.",
-        _link("19_merging_partials"),
+        _link("19_merging_partials", "two-partial-answers"),
     ),
     "ring_partials_averaged": Bug(
         "The shards' partial outputs were averaged; merge them with their log-sum-exps "
         "(eq. 19.1), so that each shard counts with its share of the softmax.",
-        _link("20_ring_attention"),
+        _link("20_ring_attention", "the-ring"),
     ),
     "ring_empty_shard_nan": Bug(
         "A shard wholly in a query's future makes a softmax over a row of -inf, NaN, and NaN "
         "times the weight 0 is still NaN: such a partial must be 0 with L = -inf.",
-        _link("20_ring_attention"),
+        _link("20_ring_attention", "the-ring"),
     ),
 }
 
