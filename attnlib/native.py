@@ -7,6 +7,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -65,16 +66,20 @@ def library(language="cpp", flags=None):
                                                                   "-o", str(out)]))  # fmt: skip
 
 
-# The fused pass of a tile (chapter 14): compiled with -ffast-math, which lets g++ call glibc's
-# vector exp2f, and linked without it, so that crtfastmath.o, which would switch the whole
-# process to flush-to-zero when the library loads, is not linked in. -march=native: the key
-# holds this CPU's flags, so another CPU builds its own.
-TILE_COMPILE, TILE_LINK = "-O3 -march=native -fopenmp -ffast-math -fPIC -c", "-shared -fopenmp"
+# Tiled attention's compiled forward (chapter 14): compiled with -ffast-math, which lets g++
+# call glibc's vector exp2f, and linked without it, so that crtfastmath.o, which would switch
+# the whole process to flush-to-zero when the library loads, is not linked in. -march=native:
+# the key holds this CPU's flags, so another CPU builds its own; on x86, 512-bit vectors where
+# the CPU has them (g++ otherwise stops at 256 bits, and the softmax steps take half again as
+# long on AVX-512).
+TILE_COMPILE = "-O3 -march=native -fopenmp -ffast-math -fPIC -c"
+TILE_COMPILE += " -mprefer-vector-width=512" if platform.machine() in ("x86_64", "AMD64") else ""
+TILE_LINK = "-shared -fopenmp"
 
 
 def tile_library() -> Path:
-    """attnlib/csrc/tile_pass.cpp built into the cache (once per source, compiler and CPU)."""
-    found, source = compiler("cpp"), Path(__file__).parent / "csrc" / "tile_pass.cpp"
+    """attnlib/csrc/tiled_forward.cpp built into the cache (once per source, compiler and CPU)."""
+    found, source = compiler("cpp"), Path(__file__).parent / "csrc" / "tiled_forward.cpp"
     if found is None:
         raise RuntimeError(compiler_missing("cpp"))
     version = subprocess.run([found, "--version"], capture_output=True, check=True).stdout
@@ -87,18 +92,48 @@ def tile_library() -> Path:
         _run([found, *TILE_LINK.split(), f"{out}.o", "-o", str(out), "-lmvec", "-lm"])
         os.remove(f"{out}.o")
 
-    return _cached("tile_pass", key, make)
+    return _cached("tiled_forward", key, make)
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_kernels():
+    return ctypes.CDLL(str(tile_library()))
 
 
 @functools.lru_cache(maxsize=None)
 def tile_pass():
-    """The (float32, float64) kernels of tile_library(), loaded once."""
-    loaded = ctypes.CDLL(str(tile_library()))
-    p, n = ctypes.c_void_p, ctypes.c_int64
+    """The (float32, float64) kernels of one tile's softmax steps (eq. 14.1), loaded once."""
+    loaded, p, n = _tile_kernels(), ctypes.c_void_p, ctypes.c_int64
     kernels = loaded.tile_pass_f32, loaded.tile_pass_f64
     for kernel in kernels:
         kernel.argtypes, kernel.restype = [p, p, p, p, n, n, n], None
     return kernels
+
+
+@functools.lru_cache(maxsize=None)
+def tiled_forward():
+    """The (float32, float64) kernels of the whole tiled forward (eqs. 14.1-14.2), loaded once."""
+    loaded, p, n = _tile_kernels(), ctypes.c_void_p, ctypes.c_int64
+    kernels = loaded.tiled_forward_f32, loaded.tiled_forward_f64
+    for kernel in kernels:
+        kernel.argtypes, kernel.restype = [p] * 11 + [n, n, p], None
+    return kernels
+
+
+@functools.lru_cache(maxsize=None)
+def blas():
+    """Addresses of the (sgemm_, dgemm_) that torch's CPU library exports, or (None, None).
+
+    The compiled forward calls them for its matmuls; without them it runs its own loops."""
+    folder = Path(torch.__file__).parent / "lib"
+    for path in [*sorted(folder.glob("libtorch_cpu.*")), None]:  # None: what is loaded already
+        try:
+            loaded = ctypes.CDLL(None if path is None else str(path))
+            return tuple(ctypes.cast(getattr(loaded, name), ctypes.c_void_p).value
+                         for name in ("sgemm_", "dgemm_"))  # fmt: skip
+        except (OSError, AttributeError):
+            continue
+    return None, None
 
 
 @functools.lru_cache(maxsize=None)

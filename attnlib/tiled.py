@@ -23,6 +23,15 @@ def _block_bounds(positions: torch.Tensor, block: int):
     return torch.stack([b.amin(1) for b in blocks], 1), torch.stack([b.amax(1) for b in blocks], 1)
 
 
+def _tile_states(prepared: Prepared, block: int) -> torch.Tensor:
+    """Per tile, what eq. 7.1 hides, int8 [B, nq, nk]: 0 all of the tile, 2 none of it, 1 some."""
+    q_low, q_high = _block_bounds(prepared.query_positions, block)  # [B, nq]
+    k_low, k_high = _block_bounds(prepared.key_positions, block)  # [B, nk]
+    hidden = k_low[:, None, :] > q_high[:, :, None]  # [B, nq, nk]
+    shown = k_high[:, None, :] <= q_low[:, :, None]
+    return torch.where(hidden, 0, torch.where(shown, 2, 1)).to(torch.int8)
+
+
 def _tiles(prepared: Prepared, block: int):
     """Per query block: (i0, i1, its key tiles (j0, j1, mask)), leaving out the tiles that eq. 7.1
     and `allowed` hide; mask: None if all is visible, else boolean [B or 1, Hq or 1, t, s]."""
@@ -32,10 +41,8 @@ def _tiles(prepared: Prepared, block: int):
         return
     if allowed is not None:  # a view with stride 0 on broadcast axes, so any slice of it works
         allowed = allowed.expand(*allowed.shape[:2], queries, keys)  # [B or 1, Hq or 1, T, S]
-    q_low, q_high = _block_bounds(query_pos, block)  # [B, nq]
-    k_low, k_high = _block_bounds(key_pos, block)  # [B, nk]
-    hidden = (k_low[:, None, :] > q_high[:, :, None]).all(0).tolist()  # [nq][nk]
-    shown = (k_high[:, None, :] <= q_low[:, :, None]).all(0).tolist()  # [nq][nk]
+    states = _tile_states(prepared, block)  # [B, nq, nk]
+    hidden, shown = (states == 0).all(0).tolist(), (states == 2).all(0).tolist()  # [nq][nk]
 
     def key_tiles(qi, i0, i1):
         for kj in [kj for kj, hides in enumerate(hidden[qi]) if not hides]:
@@ -62,21 +69,36 @@ def _scores(q_tile: torch.Tensor, k_tile: torch.Tensor, mask) -> torch.Tensor:
     return scores
 
 
-def _fused_step(kernel, scores, m, ell):
-    """Eq. 14.1 for one tile by attnlib/csrc/tile_pass.cpp, in place: m <- m', l <- l', the scores
-    <- 2^(s - m'); returns the rescale factors 2^(m - m'), [B, Hkv, g*t, 1]."""
-    if not (scores.is_contiguous() and m.is_contiguous() and ell.is_contiguous()):
-        raise ValueError("the fused pass needs contiguous scores, maxima and sums")
-    rescale = torch.empty_like(m)
-    pointers = (x.data_ptr() for x in (scores, m, ell, rescale))
-    kernel(*pointers, m.numel(), scores.shape[-1], torch.get_num_threads())
-    return rescale
+def _compiled_forward(q, k, v, prepared: Prepared, block: int, with_lse: bool):
+    """_forward's result from attnlib/csrc/tiled_forward.cpp: every tile of eqs. 14.1-14.2, from
+    the first matmul to the last, in one core's cache; the matmuls by torch's BLAS."""
+    work = compute_dtype(q.dtype)
+    (batch, q_heads, queries, dim), (kv_heads, keys), value_dim = q.shape, k.shape[1:3], v.shape[3]
+    if queries == 0 or keys == 0:
+        return _forward(q, k, v, prepared, block, with_lse)  # nothing to point at
+    q2 = (q.to(work) * (prepared.scale * LOG2_E)).contiguous()  # base 2, as in the torch inner
+    k, v = k.to(work).contiguous(), v.to(work).contiguous()
+    positions = [x.to(torch.int64).contiguous() for x in prepared[:2]]  # [B, T], [B, S]
+    allowed = prepared.allowed
+    if allowed is not None:
+        allowed = allowed.expand(batch, q_heads, queries, keys)  # strides 0 where broadcast
+    strides = torch.tensor([0] * 4 if allowed is None else allowed.stride(), dtype=torch.int64)
+    states = _tile_states(prepared, block).contiguous()  # [B, nq, nk]
+    sizes = torch.tensor([batch, q_heads, kv_heads, queries, keys, dim, value_dim])
+    out = q2.new_empty(batch, q_heads, queries, value_dim)
+    lse = q2.new_empty(batch, q_heads, queries) if with_lse else None
+    double = work == torch.float64
+    pointers = [x if x is None else x.data_ptr() for x in
+                (q2, k, v, *positions, allowed, strides, states, out, lse, sizes)]  # fmt: skip
+    native.tiled_forward()[double](*pointers, block, torch.get_num_threads(), native.blas()[double])
+    return out.to(q.dtype), lse
 
 
 def _forward(q, k, v, prepared: Prepared, block: int, with_lse: bool, inner="torch"):
     """Eqs. 14.1-14.2 by tiles: O [B, Hq, T, Dv] in q's dtype and, if asked, L [B, Hq, T] (15.5)."""
+    if inner == "cpp":
+        return _compiled_forward(q, k, v, prepared, block, with_lse)
     group, work = q.shape[1] // k.shape[1], compute_dtype(q.dtype)  # eq. 9.1: h = kv*g + r
-    kernel = native.tile_pass()[work == torch.float64] if inner == "cpp" else None
     q, k, v = q.unflatten(1, (-1, group)), k.to(work), v.to(work)  # [B, Hkv, g, T, D]
     out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=work)  # [B, Hkv, g, T, Dv]
     lse = q.new_full(q.shape[:-1], math.inf, dtype=work) if with_lse else None  # [B, Hkv, g, T]
@@ -90,14 +112,11 @@ def _forward(q, k, v, prepared: Prepared, block: int, with_lse: bool, inner="tor
         o = q_tile.new_zeros(*q_tile.shape[:3], v.shape[-1])  # accumulator o, [B, Hkv, g*t, Dv]
         for j0, j1, mask in tiles:
             scores = _scores(q_tile, k[:, :, j0:j1], mask)  # [B, Hkv, g*t, s]
-            if kernel is not None:  # the same four steps in one visit of each row
-                rescale, weights = _fused_step(kernel, scores, m, ell), scores
-            else:  # four passes over the tile
-                new_m = torch.maximum(m, scores.amax(-1, keepdim=True))  # eq. 14.1: m'
-                rescale = torch.exp2(m - new_m)  # e^{m - m'}
-                weights = scores.sub_(new_m).exp2_()  # e^{s_j - m'}
-                ell.mul_(rescale).add_(weights.sum(-1, keepdim=True))  # eq. 14.1: l'
-                m = new_m
+            new_m = torch.maximum(m, scores.amax(-1, keepdim=True))  # eq. 14.1: m'
+            rescale = torch.exp2(m - new_m)  # e^{m - m'}
+            weights = scores.sub_(new_m).exp2_()  # e^{s_j - m'}
+            ell.mul_(rescale).add_(weights.sum(-1, keepdim=True))  # eq. 14.1: l'
+            m = new_m
             o.mul_(rescale).add_(weights @ v[:, :, j0:j1])  # eq. 14.2: o'
         o /= ell.masked_fill(ell == 0, 1.0)  # o / l; a row that saw nothing stays 0
         out[:, :, :, i0:i1] = o.unflatten(2, (group, -1))
@@ -171,8 +190,8 @@ def tiled_attention(
     q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> [B, Hq, T, Dv] in q's dtype, with
     `causal_attention`'s arguments; block_size x block_size tiles; differentiable (15.1-15.5).
     return_lse=True also returns L (eq. 15.5, natural log) [B, Hq, T] in the compute dtype, -inf
-    for a query that sees no key; gradients flow through both. inner="cpp" runs each tile's
-    softmax steps as one compiled pass (attnlib/csrc/tile_pass.cpp) instead of four tensor ops.
+    for a query that sees no key; gradients flow through both. inner="cpp" runs the forward
+    compiled (attnlib/csrc/tiled_forward.cpp), each tile's softmax steps in one visit of a row.
     """
     prepared = prepare(q, k, v, query_positions, key_positions, allowed, scale)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -180,7 +199,9 @@ def tiled_attention(
     if inner not in ("torch", "cpp"):
         raise ValueError(f"inner must be 'torch' or 'cpp', got {inner!r}")
     if inner == "cpp":
-        native.tile_pass()  # built once; without a compiler, native's one-line message
+        if q.device.type != "cpu":
+            raise ValueError(f"inner='cpp' runs on the CPU; q, k and v are on {q.device}")
+        native.tiled_forward()  # built once; without a compiler, native's one-line message
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _TiledAttention.apply(q, k, v, prepared, block_size, inner)
         return (out, lse) if return_lse else out

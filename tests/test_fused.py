@@ -1,4 +1,4 @@
-"""tiled_attention(..., inner="cpp"): the compiled pass of a tile equals the torch steps.
+"""tiled_attention(..., inner="cpp"): the compiled forward equals the torch inner and SDPA.
 
 In CI (env var CI set) a missing compiler fails these tests; elsewhere it skips them, saying why.
 """
@@ -105,13 +105,16 @@ def test_bad_input_raises_the_same_errors():
 
 def test_without_a_compiler_the_message_is_native_attentions(monkeypatch):
     monkeypatch.setattr(native, "compiler", lambda language: None)
-    native.tile_pass.cache_clear()
+    loaders = (native._tile_kernels, native.tile_pass, native.tiled_forward)
+    for loader in loaders:
+        loader.cache_clear()
     try:
         with pytest.raises(RuntimeError) as caught:
             tiled_attention(*_qkv(5, 1, 1, 1, 3, 3, 4, 4), inner="cpp")
         assert str(caught.value) == native.compiler_missing("cpp")
     finally:
-        native.tile_pass.cache_clear()
+        for loader in loaders:
+            loader.cache_clear()
 
 
 def test_loading_the_library_keeps_subnormals_and_links_no_fast_math():
@@ -122,7 +125,7 @@ def test_loading_the_library_keeps_subnormals_and_links_no_fast_math():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.stdout.strip() == "True", done.stderr
     symbols = subprocess.run(["nm", str(native.tile_library())], capture_output=True, text=True)
-    assert symbols.returncode == 0 and "tile_pass_f32" in symbols.stdout
+    assert symbols.returncode == 0 and "tiled_forward_f32" in symbols.stdout
     assert "set_fast_math" not in symbols.stdout
 
 
@@ -134,3 +137,43 @@ def test_a_hidden_key_gets_exactly_zero_weight():
     got = tiled_attention(q, k, v, allowed=allowed, inner="cpp", block_size=4)
     weights = torch.softmax((q @ k.transpose(-2, -1) / 2).masked_fill(~allowed, -math.inf), -1)
     assert torch.allclose(got, weights @ v, atol=1e-6)
+
+
+def test_per_head_masks_strided_inputs_and_one_block_for_all():
+    """allowed of shape [B, Hq, T, S] is read through its strides, one head at a time."""
+    q, k, v = _qkv(7, 2, 6, 3, 11, 17, 8, 4)
+    q, k = (x.transpose(-2, -1).contiguous().transpose(-2, -1) for x in (q, k))  # strided
+    allowed = torch.rand(2, 6, 11, 17, generator=torch.Generator().manual_seed(8)) < 0.6
+    allowed[0, 1, 3] = False  # a row that sees nothing
+    for block in (3, 256):
+        got = tiled_attention(q, k, v, allowed=allowed, block_size=block, inner="cpp")
+        expected = tiled_attention(q, k, v, allowed=allowed, block_size=block)
+        assert (got - expected).abs().max() <= 2e-6
+        assert torch.equal(got[0, 1, 3], torch.zeros(4))
+
+
+def test_without_torchs_blas_its_own_loops_give_the_same_result(monkeypatch):
+    q, k, v = _qkv(9, 2, 4, 2, 13, 21, 8, 6, torch.float64)
+    with_blas = tiled_attention(q, k, v, block_size=4, return_lse=True, inner="cpp")
+    monkeypatch.setattr(native, "blas", lambda: (None, None))
+    without = tiled_attention(q, k, v, block_size=4, return_lse=True, inner="cpp")
+    for a, b in zip(with_blas, without):
+        assert torch.allclose(a, b, atol=1e-12)
+    positions = torch.arange(8, 21).expand(2, -1), torch.arange(21).expand(2, -1)
+    assert torch.allclose(without[0], brute_force(q, k, v, *positions), atol=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), block=st.sampled_from([1, 3, 8]))
+def test_tile_states_say_exactly_whether_eq_7_1_hides_all_none_or_some(seed, block):
+    from attnlib.attention import mask_of, prepare
+    from attnlib.tiled import _tile_states
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = _qkv(seed, 2, 1, 1, 10, 14, 4, 4)
+    query_positions = torch.randint(0, 14, (2, 10), generator=gen)  # any order, repeats too
+    prepared = prepare(q, k, v, query_positions, torch.randperm(14, generator=gen).expand(2, -1))
+    states, mask = _tile_states(prepared, block), mask_of(prepared)[:, 0]  # [B, T, S]
+    for b, i, j in torch.cartesian_prod(*map(torch.arange, states.shape)).tolist():
+        cells = mask[b, i * block : (i + 1) * block, j * block : (j + 1) * block]
+        assert states[b, i, j] == (2 if cells.all() else 0 if not cells.any() else 1)

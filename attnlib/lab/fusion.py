@@ -1,5 +1,6 @@
 """Chapter 14's fusion measurements: the passes the torch inner makes over one tile of scores,
-against the compiled pass (`tiled_attention(..., inner="cpp")`), and both against SDPA.
+against one compiled pass, and the whole forward with each inner (`tiled_attention(...,
+inner="torch" | "cpp")`) against SDPA.
 
 `python -m attnlib.lab.fusion` runs the benchmark (interleaved medians) and writes its JSON.
 """
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import native
-from ..tiled import LOG2_E, _fused_step, tiled_attention
+from ..tiled import LOG2_E, tiled_attention
 
 # The four tensor operations of the torch inner that sweep a whole tile of scores: name, how
 # many times each reads the tile and how many times it writes it.
@@ -35,6 +36,15 @@ def tile_traffic(rows: int, width: int, itemsize: int = 4) -> dict:
     tile = rows * width * itemsize
     torch_bytes = sum((reads + writes) * tile for _, reads, writes in TORCH_PASSES)
     return {"tile": tile, "torch": torch_bytes, "fused": 2 * tile}
+
+
+def _fused_step(kernel, scores, m, ell):
+    """One tile's softmax steps (eq. 14.1) by the compiled pass, in place: m <- m', l <- l', the
+    scores <- 2^(s - m'); returns the rescale factors 2^(m - m')."""
+    rescale = torch.empty_like(m)
+    pointers = (x.data_ptr() for x in (scores, m, ell, rescale))
+    kernel(*pointers, m.numel(), scores.shape[-1], torch.get_num_threads())
+    return rescale
 
 
 def _torch_step(scores, m, ell):
