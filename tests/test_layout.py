@@ -6,7 +6,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "attnlib"
 ENGINE = sorted(PACKAGE.glob("*.py"))  # attnlib/*.py; attnlib/lab and attnlib/figures are apart
 STANDARD = {"ctypes", "hashlib", "importlib", "math", "os", "shutil", "statistics", "subprocess"}
-STANDARD |= {"sys", "tempfile", "typing", "pathlib", "functools"}
+STANDARD |= {"sys", "tempfile", "typing", "pathlib", "functools", "platform"}
 
 
 def imported_roots(path: Path) -> set:
@@ -34,11 +34,11 @@ def test_engine_needs_only_torch_and_never_the_lab():
         assert not imported_roots(path) & {".lab", ".figures"}, f"{path.name} imports the lab"
 
 
-def test_engine_holds_at_most_1040_lines():
+def test_engine_holds_at_most_1080_lines():
     # 900 through chapter 16; the merge of partial softmaxes and L out of the tiled forward
-    # added about 50, the fused pass of a tile (inner="cpp") about 60.
+    # added about 50, the compiled forward (inner="cpp") and its loading about 130.
     lines = {path.name: len(path.read_text().splitlines()) for path in ENGINE}
-    assert sum(lines.values()) <= 1040, lines
+    assert sum(lines.values()) <= 1080, lines
 
 
 def test_no_function_in_attnlib_is_over_40_lines():

@@ -65,10 +65,26 @@ static void tile_pass(F* scores, F* m, F* l, F* rescale, int64_t rows, int64_t w
     for (int64_t r = 0; r < rows; ++r) rescale[r] = row_step(scores + r * width, width, m[r], l[r]);
 }
 
+// What a tile of t x s cells of `allowed` (from its cell [0, 0], rows `down` apart, cells
+// `across` apart) hides: 0 all of it, 2 none of it, 1 some. A vectorised sweep per row.
+static int8_t allowed_tile(const uint8_t* may, int64_t t, int64_t s, int64_t down,
+                           int64_t across) {
+    uint8_t some = 0, every = 1;
+    for (int64_t r = 0; r < t && (every || !some); ++r) {
+        const uint8_t* row = may + r * down;
+        if (across == 1)
+            for (int64_t j = 0; j < s; ++j) some |= row[j], every &= row[j];
+        else
+            for (int64_t j = 0; j < s; ++j) some |= row[j * across], every &= row[j * across];
+    }
+    return !some ? 0 : every ? 2 : 1;
+}
+
 // q [B, Hq, T, D] (base-2 scaled), k [B, Hkv, S, D], v [B, Hkv, S, Dv], positions [B, T] and
-// [B, S], allowed (nullable) read through strides [4] of [B, Hq, T, S], states [B, nq, nk] of
-// eq. 7.1: 0 it hides the whole tile, 2 it hides none of it, 1 some. Writes out
-// [B, Hq, T, Dv] and, if lse is not null, lse [B, Hq, T] (natural log, +inf for no key).
+// [B, S], allowed (nullable) read through strides [4] of [B, Hq, T, S] (0 on a broadcast
+// axis), states [B, nq, nk] of eq. 7.1: 0 it hides the whole tile, 2 none of it, 1 some.
+// Writes out [B, Hq, T, Dv] and, if lse is not null, lse [B, Hq, T] (natural log, +inf for
+// a row that sees no key).
 template <typename F>
 static void forward(const F* q, const F* k, const F* v, const int64_t* query_positions,
                     const int64_t* key_positions, const uint8_t* allowed, const int64_t* stride,
@@ -79,8 +95,27 @@ static void forward(const F* q, const F* k, const F* v, const int64_t* query_pos
     const int64_t nq = (T + block - 1) / block, nk = (S + block - 1) / block;
     const int64_t group = q_heads / kv_heads, items = batch * q_heads * nq;
     const F lowest = std::numeric_limits<F>::lowest(), inf = std::numeric_limits<F>::infinity();
+    // `allowed`'s own tiles: one per batch row and head it has (not per broadcast copy).
+    const int64_t masks_b = stride[0] ? batch : 1, masks_h = stride[1] ? q_heads : 1;
+    std::vector<int8_t> masks(allowed ? masks_b * masks_h * nq * nk : 0, 2);
 #pragma omp parallel num_threads(threads)
     {
+        if (allowed) {  // only the tiles that eq. 7.1 leaves to some batch row
+#pragma omp for schedule(dynamic, 16)
+            for (int64_t tile = 0; tile < masks_b * masks_h * nq * nk; ++tile) {
+                const int64_t kj = tile % nk, qi = tile / nk % nq, bh = tile / (nq * nk);
+                const int64_t b = bh / masks_h, h = bh % masks_h;
+                bool needed = false;
+                for (int64_t c = stride[0] ? b : 0; c < (stride[0] ? b + 1 : batch); ++c)
+                    needed |= states[(c * nq + qi) * nk + kj] != 0;
+                if (needed)
+                    masks[tile] = allowed_tile(
+                        allowed + b * stride[0] + h * stride[1] + qi * block * stride[2] +
+                            kj * block * stride[3],
+                        std::min(block, T - qi * block), std::min(block, S - kj * block),
+                        stride[2], stride[3]);
+            }
+        }  // the implied barrier: every tile's mask is known before the first item
         std::vector<F> scores(block * block), o(block * Dv), m(block), l(block);
         // Dynamic: a core that another process slows takes fewer items, not an equal share.
 #pragma omp for schedule(dynamic, 1)
@@ -91,40 +126,31 @@ static void forward(const F* q, const F* k, const F* v, const int64_t* query_pos
             const F* q_block = q + (bh * T + i0) * D;
             const F* keys = k + (b * kv_heads + kv) * S * D;
             const F* values = v + (b * kv_heads + kv) * S * Dv;
-            const int8_t* state = states + (b * nq + qi) * nk;
+            const int8_t* by_positions = states + (b * nq + qi) * nk;
+            const int8_t* by_mask = allowed ? masks.data() + (((stride[0] ? b : 0) * masks_h +
+                                                               (stride[1] ? h : 0)) * nq + qi) * nk
+                                            : nullptr;
             const int64_t* positions = query_positions + b * T + i0;
             std::fill(o.begin(), o.begin() + t * Dv, F(0));
             std::fill(m.begin(), m.begin() + t, lowest);
             std::fill(l.begin(), l.begin() + t, F(0));
             for (int64_t kj = 0; kj < nk; ++kj) {
-                int8_t tile = state[kj];  // from eq. 7.1 alone
+                const int8_t causal = by_positions[kj], masked = by_mask ? by_mask[kj] : 2;
+                if (causal == 0 || masked == 0) continue;
                 const int64_t j0 = kj * block, s = std::min(block, S - j0);
-                const uint8_t* may = allowed ? allowed + b * stride[0] + h * stride[1] +
-                                                   i0 * stride[2] + j0 * stride[3]
-                                             : nullptr;  // allowed[b, h, i0, j0]
-                if (tile != 0 && may) {  // does `allowed` hide all of the tile, or none of it?
-                    uint8_t some = 0, every = 1;
-                    for (int64_t r = 0; r < t && (every || !some); ++r)
-                        if (stride[3] == 1)  // a vectorised sweep of the row
-                            for (int64_t j = 0; j < s; ++j) some |= may[r * stride[2] + j],
-                                                            every &= may[r * stride[2] + j];
-                        else
-                            for (int64_t j = 0; j < s; ++j) some |= may[r * stride[2] + j * stride[3]],
-                                                            every &= may[r * stride[2] + j * stride[3]];
-                    tile = !some ? 0 : every ? tile : 1;
-                }
-                if (tile == 0) continue;
+                const int64_t* key_pos = key_positions + b * S + j0;
                 gemm<F>(blas, true, t, s, D, q_block, D, keys + j0 * D, D, F(0), scores.data(), s);
                 for (int64_t r = 0; r < t; ++r) {
-                    F* row = scores.data() + r * s;
-                    if (tile == 1) {  // eq. 7.1, and `allowed`, before the softmax (5.1)
-                        const int64_t* key_pos = key_positions + b * S + j0;
+                    F* row = scores.data() + r * s;  // hidden keys to -inf, before the softmax
+                    if (causal == 1)  // eq. 7.1
                         for (int64_t j = 0; j < s; ++j)
                             row[j] = key_pos[j] > positions[r] ? -inf : row[j];
-                        const uint8_t* shown = may ? may + r * stride[2] : nullptr;
-                        if (shown && stride[3] == 1)
+                    if (masked == 1) {  // `allowed`, eq. 5.1
+                        const uint8_t* shown = allowed + b * stride[0] + h * stride[1] +
+                                               (i0 + r) * stride[2] + j0 * stride[3];
+                        if (stride[3] == 1)
                             for (int64_t j = 0; j < s; ++j) row[j] = shown[j] ? row[j] : -inf;
-                        else if (shown)
+                        else
                             for (int64_t j = 0; j < s; ++j)
                                 row[j] = shown[j * stride[3]] ? row[j] : -inf;
                     }
@@ -137,7 +163,8 @@ static void forward(const F* q, const F* k, const F* v, const int64_t* query_pos
             }
             for (int64_t r = 0; r < t; ++r) {  // o / l; L = (m + log2 l) ln 2 (eq. 15.5)
                 const F inverse = l[r] > 0 ? F(1) / l[r] : F(0);
-                for (int64_t d = 0; d < Dv; ++d) out[(bh * T + i0 + r) * Dv + d] = o[r * Dv + d] * inverse;
+                F* row = out + (bh * T + i0 + r) * Dv;
+                for (int64_t d = 0; d < Dv; ++d) row[d] = o[r * Dv + d] * inverse;
                 if (lse)
                     lse[bh * T + i0 + r] = l[r] > 0 ? (m[r] + std::log2(l[r])) * F(M_LN2) : inf;
             }

@@ -27,15 +27,19 @@ TORCH_PASSES = (("amax", 1, 0), ("sub_", 1, 1), ("exp2_", 1, 1), ("sum", 1, 0))
 MEASURED = Path(__file__).parent / "fusion_measured.json"  # written by main() on one machine
 
 
-def tile_traffic(rows: int, width: int, itemsize: int = 4) -> dict:
-    """Bytes moved through the memory hierarchy per tile of [rows, width] scores.
+def tile_traffic(rows: int, width: int, dim: int, itemsize: int = 4) -> dict:
+    """Bytes of one tile of [rows, width] scores and its work, for head size `dim`.
 
-    The torch inner sweeps the whole tile once per operation; the fused pass reads each row
-    once from the tile and writes it once (its second visit of a row finds it in L1).
+    "torch": the bytes the torch inner moves through the tile where it does not fit the cache:
+    the first matmul writes it, each of the four sweeps reads it (and two write it), the second
+    matmul reads it. "fused": the compiled forward keeps the tile in the cache from the first
+    matmul to the last, so what it moves is the [width, dim] blocks of K and V. "flops": the
+    two matmuls, 2 * rows * width * dim each.
     """
     tile = rows * width * itemsize
-    torch_bytes = sum((reads + writes) * tile for _, reads, writes in TORCH_PASSES)
-    return {"tile": tile, "torch": torch_bytes, "fused": 2 * tile}
+    sweeps = sum(reads + writes for _, reads, writes in TORCH_PASSES)
+    return {"tile": tile, "torch": (2 + sweeps) * tile, "fused": 2 * width * dim * itemsize,
+            "flops": 4 * rows * width * dim}  # fmt: skip
 
 
 def _fused_step(kernel, scores, m, ell):
@@ -47,27 +51,40 @@ def _fused_step(kernel, scores, m, ell):
     return rescale
 
 
-def _torch_step(scores, m, ell):
-    new_m = torch.maximum(m, scores.amax(-1, keepdim=True))
-    rescale = torch.exp2(m - new_m)
-    weights = scores.sub_(new_m).exp2_()
-    ell.mul_(rescale).add_(weights.sum(-1, keepdim=True))
-    return rescale, new_m
+def _torch_passes(scores, m, ell) -> dict:
+    """The torch inner's steps on one tile, each sweep timed alone: name -> seconds."""
+    clock, seconds = time.perf_counter, {}
+    start = clock()
+    top = scores.amax(-1, keepdim=True)
+    seconds["amax"], start = clock() - start, clock()
+    new_m = torch.maximum(m, top)
+    scores.sub_(new_m)
+    seconds["sub_"], start = clock() - start, clock()
+    scores.exp2_()
+    seconds["exp2_"], start = clock() - start, clock()
+    ell.mul_(torch.exp2(m - new_m)).add_(scores.sum(-1, keepdim=True))
+    seconds["sum"] = clock() - start
+    return seconds
 
 
 def tile_step_seconds(rows=2048, width=256, repeats=21, seed=0) -> dict:
-    """Median seconds of one tile's softmax steps: the torch inner's four passes and the fused
-    pass, interleaved, on the same seeded scores (base 2, as in the forward)."""
+    """Median seconds of one tile's softmax steps: each of the torch inner's four sweeps, and
+    the compiled pass doing all of them, interleaved, on the same seeded scores (base 2)."""
     gen = torch.Generator().manual_seed(seed)
     scores = torch.randn(1, 1, rows, width, generator=gen) * 3 * LOG2_E
-    kernel, times = native.tile_pass()[0], {"torch": [], "fused": []}
+    kernel, times = native.tile_pass()[0], {name: [] for name, _, _ in TORCH_PASSES}
+    times["fused"] = []
     for _ in range(repeats):
-        for name in times:
+        for inner in ("torch", "fused"):
             s, m = scores.clone(), torch.full((1, 1, rows, 1), torch.finfo(torch.float32).min)
             ell = torch.zeros(1, 1, rows, 1)
-            start = time.perf_counter()
-            _torch_step(s, m, ell) if name == "torch" else _fused_step(kernel, s, m, ell)
-            times[name].append(time.perf_counter() - start)
+            if inner == "torch":
+                for name, took in _torch_passes(s, m, ell).items():
+                    times[name].append(took)
+            else:
+                start = time.perf_counter()
+                _fused_step(kernel, s, m, ell)
+                times["fused"].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
