@@ -1,4 +1,4 @@
-"""`python -m attnlib bench | check-qwen3 | train-lm`: see attnlib.lab.cli."""
+"""`python -m attnlib bench | check-qwen3 | train-lm | bench-fusion`: see attnlib.lab.cli."""
 
 import sys
 

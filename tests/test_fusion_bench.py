@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attnlib import native
-from attnlib.lab import fusion
+from attnlib.lab import cli, fusion
 
 
 @pytest.fixture(autouse=True)
@@ -64,9 +64,10 @@ def test_the_benchmark_runs_and_writes_its_report(tmp_path, capsys):
     assert "x SDPA" in capsys.readouterr().out
 
 
-def test_bad_arguments_stop_with_a_message():
-    with pytest.raises(SystemExit):
-        fusion.main(["--lengths", "0"])
+def test_bad_arguments_stop_with_a_message(capsys):
+    assert fusion.main(["--lengths", "0"]) == 2
+    assert "must be positive" in capsys.readouterr().err
+    assert cli.main(["bench-fusion", "--repeats", "0"]) == 2
 
 
 def test_the_shipped_report_has_every_length_of_the_chapter():

@@ -186,10 +186,25 @@ def train_lm(args) -> int:
     return 0
 
 
+def fusion_arguments(parser) -> None:
+    """The options of `bench-fusion` (attnlib.lab.fusion)."""
+    from . import fusion
+
+    fusion.arguments(parser)
+
+
+def bench_fusion(args) -> int:
+    """Time tiled_attention's torch and cpp inners against SDPA; write the JSON report."""
+    from . import fusion
+
+    return fusion.run(args)
+
+
 COMMANDS = {
     "check-qwen3": (qwen3_arguments, check_qwen3, "Check the book's attention against Qwen3."),
     "bench": (bench_arguments, bench, "Time and measure naive, tiled and fused attention."),
     "train-lm": (lm_arguments, train_lm, "Train the small Qwen3 on the standard library."),
+    "bench-fusion": (fusion_arguments, bench_fusion, "Time tiled attention's two inners."),
 }
 
 
