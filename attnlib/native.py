@@ -66,7 +66,7 @@ def library(language="cpp", flags=None):
                                                                   "-o", str(out)]))  # fmt: skip
 
 
-# Tiled attention's compiled forward (chapter 14): compiled with -ffast-math, which lets g++
+# Tiled attention compiled (chapters 14 and 15): compiled with -ffast-math, which lets g++
 # call glibc's vector exp2f, and linked without it, so that crtfastmath.o, which would switch
 # the whole process to flush-to-zero when the library loads, is not linked in. -march=native:
 # the key holds this CPU's flags, so another CPU builds its own; on x86, 512-bit vectors where
@@ -78,8 +78,8 @@ TILE_LINK = "-shared -fopenmp"
 
 
 def tile_library() -> Path:
-    """attnlib/csrc/tiled_forward.cpp built into the cache (once per source, compiler and CPU)."""
-    found, source = compiler("cpp"), Path(__file__).parent / "csrc" / "tiled_forward.cpp"
+    """attnlib/csrc/tiled.cpp built into the cache (once per source, compiler and CPU)."""
+    found, source = compiler("cpp"), Path(__file__).parent / "csrc" / "tiled.cpp"
     if found is None:
         raise RuntimeError(compiler_missing("cpp"))
     version = subprocess.run([found, "--version"], capture_output=True, check=True).stdout
@@ -92,7 +92,7 @@ def tile_library() -> Path:
         _run([found, *TILE_LINK.split(), f"{out}.o", "-o", str(out), "-lmvec", "-lm"])
         os.remove(f"{out}.o")
 
-    return _cached("tiled_forward", key, make)
+    return _cached("tiled", key, make)
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,6 +117,16 @@ def tiled_forward():
     kernels = loaded.tiled_forward_f32, loaded.tiled_forward_f64
     for kernel in kernels:
         kernel.argtypes, kernel.restype = [p] * 11 + [n, n, p], None
+    return kernels
+
+
+@functools.lru_cache(maxsize=None)
+def tiled_backward():
+    """The (float32, float64) kernels of the tiled backward (eqs. 15.1-15.5), loaded once."""
+    loaded, p, n = _tile_kernels(), ctypes.c_void_p, ctypes.c_int64
+    kernels = loaded.tiled_backward_f32, loaded.tiled_backward_f64
+    for kernel in kernels:
+        kernel.argtypes, kernel.restype = [p] * 15 + [n, n, p], None
     return kernels
 
 

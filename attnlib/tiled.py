@@ -69,29 +69,62 @@ def _scores(q_tile: torch.Tensor, k_tile: torch.Tensor, mask) -> torch.Tensor:
     return scores
 
 
-def _compiled_forward(q, k, v, prepared: Prepared, block: int, with_lse: bool):
-    """_forward's result from attnlib/csrc/tiled_forward.cpp: every tile of eqs. 14.1-14.2, from
-    the first matmul to the last, in one core's cache; the matmuls by torch's BLAS."""
-    work = compute_dtype(q.dtype)
-    (batch, q_heads, queries, dim), (kv_heads, keys), value_dim = q.shape, k.shape[1:3], v.shape[3]
-    if queries == 0 or keys == 0:
-        return _forward(q, k, v, prepared, block, with_lse)  # nothing to point at
+def _compiled_arrays(q, k, v, prepared: Prepared, block: int):
+    """What attnlib/csrc/tiled.cpp reads, contiguous: q in base 2, k, v (compute dtype), the
+    positions, `allowed` [B, Hq, T, S] (0-strided where it broadcasts), its strides, the tile
+    states of eq. 7.1 and the sizes."""
+    work, (batch, q_heads, queries, dim) = compute_dtype(q.dtype), q.shape
     q2 = (q.to(work) * (prepared.scale * LOG2_E)).contiguous()  # base 2, as in the torch inner
     k, v = k.to(work).contiguous(), v.to(work).contiguous()
     positions = [x.to(torch.int64).contiguous() for x in prepared[:2]]  # [B, T], [B, S]
-    allowed = prepared.allowed
+    allowed, keys = prepared.allowed, k.shape[2]
     if allowed is not None:
         allowed = allowed.expand(batch, q_heads, queries, keys)  # strides 0 where broadcast
     strides = torch.tensor([0] * 4 if allowed is None else allowed.stride(), dtype=torch.int64)
     states = _tile_states(prepared, block).contiguous()  # [B, nq, nk]
-    sizes = torch.tensor([batch, q_heads, kv_heads, queries, keys, dim, value_dim])
-    out = q2.new_empty(batch, q_heads, queries, value_dim)
-    lse = q2.new_empty(batch, q_heads, queries) if with_lse else None
-    double = work == torch.float64
-    pointers = [x if x is None else x.data_ptr() for x in
-                (q2, k, v, *positions, allowed, strides, states, out, lse, sizes)]  # fmt: skip
-    native.tiled_forward()[double](*pointers, block, torch.get_num_threads(), native.blas()[double])
+    sizes = torch.tensor([batch, q_heads, k.shape[1], queries, keys, dim, v.shape[3]])
+    return q2, k, v, positions, allowed, strides, states, sizes
+
+
+def _pointers(*tensors):
+    return [None if x is None else x.data_ptr() for x in tensors]
+
+
+def _compiled_forward(q, k, v, prepared: Prepared, block: int, with_lse: bool):
+    """_forward's result from attnlib/csrc/tiled.cpp: every tile of eqs. 14.1-14.2, from the
+    first matmul to the last, in one core's cache; the matmuls by torch's BLAS."""
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return _forward(q, k, v, prepared, block, with_lse)  # nothing to point at
+    q2, k, v, positions, allowed, strides, states, sizes = _compiled_arrays(
+        q, k, v, prepared, block
+    )
+    out = q2.new_empty(*q.shape[:3], v.shape[3])  # [B, Hq, T, Dv]
+    lse = q2.new_empty(q.shape[:3]) if with_lse else None  # [B, Hq, T]
+    double, threads = q2.dtype == torch.float64, torch.get_num_threads()
+    arrays = (q2, k, v, *positions, allowed, strides, states, out, lse, sizes)
+    native.tiled_forward()[double](*_pointers(*arrays), block, threads, native.blas()[double])
     return out.to(q.dtype), lse
+
+
+def _compiled_backward(grad, grad_lse, q, k, v, out, lse, prepared: Prepared, block: int):
+    """_backward's result from attnlib/csrc/tiled.cpp: eqs. 15.1-15.5 per KV head, each tile's
+    P and dS kept in one core's cache; every sum in one fixed order (deterministic)."""
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return _backward(grad, grad_lse, q, k, v, out, lse, prepared, block)
+    q2, k2, v2, positions, allowed, strides, states, sizes = _compiled_arrays(
+        q, k, v, prepared, block
+    )
+    work, threads = q2.dtype, torch.get_num_threads()
+    delta = (grad.to(work) * out.to(work)).sum(-1)  # D = rowsum(dO o O), eq. 15.2, [B, Hq, T]
+    delta = (delta - grad_lse.to(work).nan_to_num(0.0, 0.0, 0.0)).contiguous()
+    grad, lse2 = grad.to(work).contiguous(), (lse * LOG2_E).contiguous()  # L in base 2
+    dq, dk, dv = torch.zeros_like(q2), torch.zeros_like(k2), torch.zeros_like(v2)
+    arrays = (q2, k2, v2, grad, lse2, delta, *positions, allowed, strides, states, dq, dk, dv,
+              sizes)  # fmt: skip
+    double = work == torch.float64
+    native.tiled_backward()[double](*_pointers(*arrays), block, threads, native.blas()[double])
+    dq, dk = dq.mul_(prepared.scale), dk.div_(LOG2_E)
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 
 def _forward(q, k, v, prepared: Prepared, block: int, with_lse: bool, inner="torch"):
@@ -158,13 +191,14 @@ class _TiledAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, prepared: Prepared, block: int, inner: str):
         out, lse = _forward(q, k, v, prepared, block, with_lse=True, inner=inner)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.prepared, ctx.block = prepared, block
+        ctx.prepared, ctx.block, ctx.inner = prepared, block, inner
         return out, _natural(lse)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad, grad_lse):
-        grads = _backward(grad, grad_lse, *ctx.saved_tensors, ctx.prepared, ctx.block)
+        backward = _compiled_backward if ctx.inner == "cpp" else _backward
+        grads = backward(grad, grad_lse, *ctx.saved_tensors, ctx.prepared, ctx.block)
         return *grads, None, None, None
 
 
@@ -191,7 +225,7 @@ def tiled_attention(
     `causal_attention`'s arguments; block_size x block_size tiles; differentiable (15.1-15.5).
     return_lse=True also returns L (eq. 15.5, natural log) [B, Hq, T] in the compute dtype, -inf
     for a query that sees no key; gradients flow through both. inner="cpp" runs the forward
-    compiled (attnlib/csrc/tiled_forward.cpp), each tile's softmax steps in one visit of a row.
+    and the backward compiled (attnlib/csrc/tiled.cpp), each tile kept in one core's cache.
     """
     prepared = prepare(q, k, v, query_positions, key_positions, allowed, scale)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:

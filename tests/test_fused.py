@@ -3,6 +3,7 @@
 In CI (env var CI set) a missing compiler fails these tests; elsewhere it skips them, saying why.
 """
 
+import json
 import math
 import os
 import subprocess
@@ -177,3 +178,87 @@ def test_tile_states_say_exactly_whether_eq_7_1_hides_all_none_or_some(seed, blo
     for b, i, j in torch.cartesian_prod(*map(torch.arange, states.shape)).tolist():
         cells = mask[b, i * block : (i + 1) * block, j * block : (j + 1) * block]
         assert states[b, i, j] == (2 if cells.all() else 0 if not cells.any() else 1)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    kv_heads=st.integers(1, 2),
+    group=st.integers(1, 3),
+    queries=st.integers(1, 20),
+    extra=st.integers(0, 12),
+    block=st.sampled_from([1, 3, 8, 64]),
+    masked=st.sampled_from([None, "window", "per-head"]),
+)
+def test_the_compiled_backward_equals_autograd_of_the_reference(
+    seed, kv_heads, group, queries, extra, block, masked
+):
+    """Eqs. 15.1-15.5 compiled: dQ, dK, dV, through O and L, equal the torch inner's backward;
+    through O, float64 autograd of SDPA with an explicit mask."""
+    q, k, v = _qkv(seed, 2, kv_heads * group, kv_heads, queries, queries + extra, 6, 5,
+                   torch.float64)  # fmt: skip
+    keys, gen = queries + extra, torch.Generator().manual_seed(seed + 1)
+    query_positions, key_positions = torch.arange(extra, keys), torch.arange(keys)
+    allowed = {
+        None: None,
+        "window": sliding_window(query_positions, key_positions, 3),
+        "per-head": torch.rand(2, kv_heads * group, queries, keys, generator=gen) < 0.5,
+    }[masked]
+    grad = torch.randn(2, kv_heads * group, queries, 5, generator=gen, dtype=torch.float64)
+    grad_lse = torch.randn(2, kv_heads * group, queries, generator=gen, dtype=torch.float64)
+    grads = {}
+    for inner in ("torch", "cpp"):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out, lse = tiled_attention(*inputs, allowed=allowed, block_size=block, return_lse=True,
+                                   inner=inner)  # fmt: skip
+        seen = lse.isfinite()  # a row that sees no key has L = -inf and no gradient through L
+        loss = (out * grad).sum() + (lse.where(seen, 0) * grad_lse).sum()
+        grads[inner] = torch.autograd.grad(loss, inputs)
+    for a, b in zip(grads["torch"], grads["cpp"]):
+        assert torch.allclose(a, b, atol=1e-12)
+    if masked == "per-head":  # rows may see no key, where SDPA's gradient is not defined
+        return
+    mask = bottom_right_mask(query_positions.expand(2, -1), key_positions.expand(2, -1))
+    mask = mask if allowed is None else mask & allowed
+    calls = {
+        "sdpa": lambda q, k, v: sdpa(q, k, v, mask),
+        "cpp": lambda q, k, v: tiled_attention(
+            q, k, v, allowed=allowed, block_size=block, inner="cpp"
+        ),  # fmt: skip
+    }
+    by = {}
+    for name, call in calls.items():
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        by[name] = torch.autograd.grad(call(*inputs), inputs, grad)
+    for a, b in zip(by["sdpa"], by["cpp"]):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+def test_the_compiled_backward_is_deterministic_and_needs_no_blas(monkeypatch):
+    q, k, v = _qkv(11, 2, 6, 2, 40, 40, 8, 8)
+    grad = torch.randn(2, 6, 40, 8, generator=torch.Generator().manual_seed(12))
+
+    def gradients():
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        return torch.autograd.grad(tiled_attention(*inputs, block_size=8, inner="cpp"), inputs,
+                                   grad)  # fmt: skip
+
+    first, second = gradients(), gradients()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))  # bit for bit
+    monkeypatch.setattr(native, "blas", lambda: (None, None))
+    for a, b in zip(first, gradients()):
+        assert (a - b).abs().max() <= 1e-5
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc")
+def test_the_library_shares_torchs_openmp_runtime():
+    """One OpenMP runtime in the process: the compiled loops use torch's threads, not a second
+    pool that would fight it for the cores."""
+    code = (
+        "import json, torch; from attnlib import native; native.tiled_forward(); "
+        "maps = open('/proc/self/maps').read().split(chr(10)); "
+        "print(json.dumps(sorted({m.split()[-1] for m in maps if 'omp' in m.split('/')[-1]})))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    runtimes = json.loads(done.stdout)  # the paths of the OpenMP libraries mapped
+    assert len(runtimes) == 1 and "torch" in runtimes[0], runtimes

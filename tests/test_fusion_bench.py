@@ -60,6 +60,7 @@ def test_the_benchmark_runs_and_writes_its_report(tmp_path, capsys):
     assert [row["T"] for row in report["rows"]] == [64, 128]
     assert set(report["rows"][0]) == {"T", "sdpa", "torch", "cpp"}
     assert set(report["loaded"]) == {"T", "sdpa", "torch", "cpp"} and report["loaded"]["T"] == 128
+    assert set(report["train"]) == {"T", "sdpa", "torch", "cpp"} and report["train"]["T"] == 128
     assert set(report["tile"]) == {"amax", "sub_", "exp2_", "sum", "fused"}
     assert "x SDPA" in capsys.readouterr().out
 

@@ -89,28 +89,37 @@ def tile_step_seconds(rows=2048, width=256, repeats=21, seed=0) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def forward_seconds(length, heads=8, dim=64, repeats=5, window=None, seed=0) -> dict:
-    """Median seconds of SDPA and of tiled_attention with each inner, interleaved, causal."""
+def forward_seconds(length, heads=8, dim=64, repeats=5, window=None, seed=0, train=False):
+    """Median seconds of SDPA and of tiled_attention with each inner, interleaved, causal: of
+    the forward, or with train=True of a training step (forward, then dQ, dK, dV for a seeded
+    dO)."""
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, heads, length, dim, generator=gen) for _ in range(3))
+    q, k, v, grad = (torch.randn(1, heads, length, dim, generator=gen) for _ in range(4))
     positions = torch.arange(length)
     allowed = None if window is None else positions[:, None] - positions[None, :] < window
     mask = torch.ones(length, length, dtype=torch.bool).tril()
-    mask = mask if allowed is None else mask & allowed
-    calls = {
-        "sdpa": lambda: F.scaled_dot_product_attention(
-            q, k, v, is_causal=allowed is None, attn_mask=None if allowed is None else mask
+    mask = None if allowed is None else mask & allowed
+    methods = {
+        "sdpa": lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=mask is None, attn_mask=mask
         ),
-        "torch": lambda: tiled_attention(q, k, v, allowed=allowed),
-        "cpp": lambda: tiled_attention(q, k, v, allowed=allowed, inner="cpp"),
+        "torch": lambda q, k, v: tiled_attention(q, k, v, allowed=allowed),
+        "cpp": lambda q, k, v: tiled_attention(q, k, v, allowed=allowed, inner="cpp"),
     }
-    times = {name: [] for name in calls}
-    for call in calls.values():
-        call()  # warm up: first-call costs, the library's build
+
+    def call(attention):
+        if not train:
+            return attention(q, k, v)
+        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+        return torch.autograd.grad(attention(*inputs), inputs, grad)
+
+    times = {name: [] for name in methods}
+    for attention in methods.values():
+        call(attention)  # warm up: first-call costs, the library's build
     for _ in range(repeats):
-        for name, call in calls.items():
+        for name, attention in methods.items():
             start = time.perf_counter()
-            call()
+            call(attention)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -128,7 +137,8 @@ def busy_core():
 
 
 def measure(lengths=(1024, 2048, 4096, 8192, 16384), repeats=5) -> dict:
-    """The benchmark: both inners against SDPA at each length, a window, and under load."""
+    """The benchmark: both inners against SDPA at each length; at one length, with a window,
+    under load, and a training step."""
     rows = []
     for length in lengths:
         seconds = forward_seconds(length, repeats=repeats if length < 16384 else 3)
@@ -138,13 +148,14 @@ def measure(lengths=(1024, 2048, 4096, 8192, 16384), repeats=5) -> dict:
     window = {"T": probe, "window": 256, **forward_seconds(probe, repeats=repeats, window=256)}
     with busy_core():
         loaded = {"T": probe, **forward_seconds(probe, repeats=repeats)}
+    train = {"T": probe, **forward_seconds(probe, repeats=repeats, train=True)}
     machine = {
         "processor": _processor(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
     return {"machine": machine, "rows": rows, "window": window, "loaded": loaded,
-            "tile": tile_step_seconds()}  # fmt: skip
+            "train": train, "tile": tile_step_seconds()}  # fmt: skip
 
 
 def _processor() -> str:
@@ -173,8 +184,8 @@ def run(args) -> int:
     report = {"build_or_load_s": time.perf_counter() - started}
     report.update(measure(args.lengths, args.repeats))
     report["wall_s"] = time.perf_counter() - started
-    for row in report["rows"]:
-        print(f"T = {row['T']:>6}: torch {row['torch'] / row['sdpa']:.2f}x SDPA, "
+    for name, row in [("forward", row) for row in report["rows"]] + [("train", report["train"])]:
+        print(f"{name} T = {row['T']:>6}: torch {row['torch'] / row['sdpa']:.2f}x SDPA, "
               f"cpp {row['cpp'] / row['sdpa']:.2f}x SDPA")  # fmt: skip
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out} in {report['wall_s']:.0f} s")
