@@ -75,3 +75,4 @@ def test_the_shipped_report_has_every_length_of_the_chapter():
     report = json.loads(fusion.MEASURED.read_text())
     assert [row["T"] for row in report["rows"]] == [1024, 2048, 4096, 8192, 16384]
     assert report["window"]["window"] == 256 and report["machine"]["processor"]
+    assert report["train"]["T"] == report["loaded"]["T"] == 4096
