@@ -96,37 +96,19 @@ def tile_library() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _tile_kernels():
-    return ctypes.CDLL(str(tile_library()))
-
-
-@functools.lru_cache(maxsize=None)
-def tile_pass():
-    """The (float32, float64) kernels of one tile's softmax steps (eq. 14.1), loaded once."""
-    loaded, p, n = _tile_kernels(), ctypes.c_void_p, ctypes.c_int64
-    kernels = loaded.tile_pass_f32, loaded.tile_pass_f64
+def tile_kernels(name: str):
+    """The (float32, float64) kernels NAME_f32 and NAME_f64 of tile_library(), loaded once:
+    'tile_pass' (one tile's softmax steps, eq. 14.1), 'tiled_forward' (eqs. 14.1-14.2) or
+    'tiled_backward' (eqs. 15.1-15.5)."""
+    p, n = ctypes.c_void_p, ctypes.c_int64
+    arguments = {"tile_pass": [p] * 4 + [n] * 3, "tiled_forward": [p] * 11 + [n, n, p],
+                 "tiled_backward": [p] * 15 + [n, n, p]}  # fmt: skip
+    if name not in arguments:
+        raise ValueError(f"name must be one of {sorted(arguments)}, got {name!r}")
+    loaded = ctypes.CDLL(str(tile_library()))
+    kernels = getattr(loaded, f"{name}_f32"), getattr(loaded, f"{name}_f64")
     for kernel in kernels:
-        kernel.argtypes, kernel.restype = [p, p, p, p, n, n, n], None
-    return kernels
-
-
-@functools.lru_cache(maxsize=None)
-def tiled_forward():
-    """The (float32, float64) kernels of the whole tiled forward (eqs. 14.1-14.2), loaded once."""
-    loaded, p, n = _tile_kernels(), ctypes.c_void_p, ctypes.c_int64
-    kernels = loaded.tiled_forward_f32, loaded.tiled_forward_f64
-    for kernel in kernels:
-        kernel.argtypes, kernel.restype = [p] * 11 + [n, n, p], None
-    return kernels
-
-
-@functools.lru_cache(maxsize=None)
-def tiled_backward():
-    """The (float32, float64) kernels of the tiled backward (eqs. 15.1-15.5), loaded once."""
-    loaded, p, n = _tile_kernels(), ctypes.c_void_p, ctypes.c_int64
-    kernels = loaded.tiled_backward_f32, loaded.tiled_backward_f64
-    for kernel in kernels:
-        kernel.argtypes, kernel.restype = [p] * 15 + [n, n, p], None
+        kernel.argtypes, kernel.restype = arguments[name], None
     return kernels
 
 

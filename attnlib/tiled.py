@@ -102,7 +102,9 @@ def _compiled_forward(q, k, v, prepared: Prepared, block: int, with_lse: bool):
     lse = q2.new_empty(q.shape[:3]) if with_lse else None  # [B, Hq, T]
     double, threads = q2.dtype == torch.float64, torch.get_num_threads()
     arrays = (q2, k, v, *positions, allowed, strides, states, out, lse, sizes)
-    native.tiled_forward()[double](*_pointers(*arrays), block, threads, native.blas()[double])
+    native.tile_kernels("tiled_forward")[double](
+        *_pointers(*arrays), block, threads, native.blas()[double]
+    )
     return out.to(q.dtype), lse
 
 
@@ -115,14 +117,15 @@ def _compiled_backward(grad, grad_lse, q, k, v, out, lse, prepared: Prepared, bl
         q, k, v, prepared, block
     )
     work, threads = q2.dtype, torch.get_num_threads()
-    delta = (grad.to(work) * out.to(work)).sum(-1)  # D = rowsum(dO o O), eq. 15.2, [B, Hq, T]
-    delta = (delta - grad_lse.to(work).nan_to_num(0.0, 0.0, 0.0)).contiguous()
+    delta = _delta(grad, grad_lse, out, work).contiguous()
     grad, lse2 = grad.to(work).contiguous(), (lse * LOG2_E).contiguous()  # L in base 2
     dq, dk, dv = torch.zeros_like(q2), torch.zeros_like(k2), torch.zeros_like(v2)
     arrays = (q2, k2, v2, grad, lse2, delta, *positions, allowed, strides, states, dq, dk, dv,
               sizes)  # fmt: skip
     double = work == torch.float64
-    native.tiled_backward()[double](*_pointers(*arrays), block, threads, native.blas()[double])
+    native.tile_kernels("tiled_backward")[double](
+        *_pointers(*arrays), block, threads, native.blas()[double]
+    )
     dq, dk = dq.mul_(prepared.scale), dk.div_(LOG2_E)
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
@@ -159,14 +162,19 @@ def _forward(q, k, v, prepared: Prepared, block: int, with_lse: bool, inner="tor
     return out.flatten(1, 2).to(q.dtype), None if lse is None else lse.flatten(1, 2)
 
 
+def _delta(grad, grad_lse, out, work) -> torch.Tensor:
+    """delta = rowsum(dO o O) (eq. 15.2) less dL, [B, Hq, T]; only rows that saw a key matter."""
+    delta = (grad.to(work) * out.to(work)).sum(-1)
+    return delta - grad_lse.to(work).nan_to_num(0.0, 0.0, 0.0)
+
+
 def _backward(grad, grad_lse, q, k, v, out, lse, prepared: Prepared, block: int):
     """Eqs. 15.1-15.4 by tiles: dQ, dK, dV from dO [B, Hq, T, Dv]; each tile's P from L (15.5).
 
     A gradient dL [B, Hq, T] of the log-sum-exp adds P * dL to dS (dL/dZ = P): delta - dL.
     """
     group, work, scale = q.shape[1] // k.shape[1], compute_dtype(q.dtype), prepared.scale
-    delta = (grad.to(work) * out.to(work)).sum(-1)  # D = rowsum(dO o O), eq. 15.2, [B, Hq, T]
-    delta = delta - grad_lse.to(work).nan_to_num(0.0, 0.0, 0.0)  # only seen rows matter
+    delta = _delta(grad, grad_lse, out, work)
     per_query = (q.to(work) * (scale * LOG2_E), grad.to(work), lse * LOG2_E, delta)  # base 2
     q2, grad, lse, delta = (x.unflatten(1, (-1, group)) for x in per_query)  # [B, Hkv, g, T, .]
     k, v = k.to(work), v.to(work)  # [B, Hkv, S, D], [B, Hkv, S, Dv]
@@ -235,7 +243,9 @@ def tiled_attention(
     if inner == "cpp":
         if q.device.type != "cpu":
             raise ValueError(f"inner='cpp' runs on the CPU; q, k and v are on {q.device}")
-        native.tiled_forward()  # built once; without a compiler, native's one-line message
+        native.tile_kernels(
+            "tiled_forward"
+        )  # built once; without a compiler, native's one-line message
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _TiledAttention.apply(q, k, v, prepared, block_size, inner)
         return (out, lse) if return_lse else out

@@ -97,6 +97,8 @@ def test_bad_input_raises_the_same_errors():
     q, k, v = _qkv(4, 1, 2, 1, 4, 4, 8, 8)
     with pytest.raises(ValueError, match="inner must be 'torch' or 'cpp'"):
         tiled_attention(q, k, v, inner="rust")
+    with pytest.raises(ValueError, match="name must be one of"):
+        native.tile_kernels("tiled_sideways")
     for inner in ("torch", "cpp"):
         with pytest.raises(ValueError, match="block_size"):
             tiled_attention(q, k, v, block_size=0, inner=inner)
@@ -106,21 +108,18 @@ def test_bad_input_raises_the_same_errors():
 
 def test_without_a_compiler_the_message_is_native_attentions(monkeypatch):
     monkeypatch.setattr(native, "compiler", lambda language: None)
-    loaders = (native._tile_kernels, native.tile_pass, native.tiled_forward)
-    for loader in loaders:
-        loader.cache_clear()
+    native.tile_kernels.cache_clear()
     try:
         with pytest.raises(RuntimeError) as caught:
             tiled_attention(*_qkv(5, 1, 1, 1, 3, 3, 4, 4), inner="cpp")
         assert str(caught.value) == native.compiler_missing("cpp")
     finally:
-        for loader in loaders:
-            loader.cache_clear()
+        native.tile_kernels.cache_clear()
 
 
 def test_loading_the_library_keeps_subnormals_and_links_no_fast_math():
     code = (
-        "import torch; from attnlib import native; native.tile_pass(); "
+        "import torch; from attnlib import native; native.tile_kernels('tile_pass'); "
         "x = torch.tensor([1e-40], dtype=torch.float32) * 1.0; print(float(x[0]) > 0)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -255,7 +254,7 @@ def test_the_library_shares_torchs_openmp_runtime():
     """One OpenMP runtime in the process: the compiled loops use torch's threads, not a second
     pool that would fight it for the cores."""
     code = (
-        "import json, torch; from attnlib import native; native.tiled_forward(); "
+        "import json, torch; from attnlib import native; native.tile_kernels('tiled_forward'); "
         "maps = open('/proc/self/maps').read().split(chr(10)); "
         "print(json.dumps(sorted({m.split()[-1] for m in maps if 'omp' in m.split('/')[-1]})))"
     )

@@ -73,7 +73,7 @@ def tile_step_seconds(rows=2048, width=256, repeats=21, seed=0) -> dict:
     the compiled pass doing all of them, interleaved, on the same seeded scores (base 2)."""
     gen = torch.Generator().manual_seed(seed)
     scores = torch.randn(1, 1, rows, width, generator=gen) * 3 * LOG2_E
-    kernel, times = native.tile_pass()[0], {name: [] for name, _, _ in TORCH_PASSES}
+    kernel, times = native.tile_kernels("tile_pass")[0], {name: [] for name, _, _ in TORCH_PASSES}
     times["fused"] = []
     for _ in range(repeats):
         for inner in ("torch", "fused"):
@@ -180,7 +180,7 @@ def run(args) -> int:
         print("error: --lengths and --repeats must be positive", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    native.tiled_forward()
+    native.tile_kernels("tiled_forward")
     report = {"build_or_load_s": time.perf_counter() - started}
     report.update(measure(args.lengths, args.repeats))
     report["wall_s"] = time.perf_counter() - started
