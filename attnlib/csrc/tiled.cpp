@@ -145,7 +145,8 @@ static void forward(const F* q, const F* k, const F* v, const int64_t* query_pos
 #pragma omp parallel num_threads(threads)
     {
         if (allowed) classify_tiles(x, states, masks);
-        std::vector<F> scores(block * block), o(block * Dv), m(block), l(block);
+        const int64_t rows = std::min(block, T), cols = std::min(block, S);  // a tile at most
+        std::vector<F> scores(rows * cols), o(rows * Dv), m(rows), l(rows);
         // Dynamic: a core that another process slows takes fewer items, not an equal share.
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; ++item) {
@@ -205,7 +206,8 @@ static void backward(const F* q, const F* k, const F* v, const F* grad, const F*
 #pragma omp parallel num_threads(threads)
     {
         if (allowed) classify_tiles(x, states, masks);
-        std::vector<F> p(block * block), ds(block * block);
+        const int64_t cells = std::min(block, T) * std::min(block, S);  // a tile at most
+        std::vector<F> p(cells), ds(cells);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t bkv = 0; bkv < x.batch * x.kv_heads; ++bkv) {
             const int64_t b = bkv / x.kv_heads, kv = bkv % x.kv_heads;
