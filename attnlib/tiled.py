@@ -243,9 +243,7 @@ def tiled_attention(
     if inner == "cpp":
         if q.device.type != "cpu":
             raise ValueError(f"inner='cpp' runs on the CPU; q, k and v are on {q.device}")
-        native.tile_kernels(
-            "tiled_forward"
-        )  # built once; without a compiler, native's one-line message
+        native.tile_kernels("tiled_forward")  # or, without g++, native's one-line message
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _TiledAttention.apply(q, k, v, prepared, block_size, inner)
         return (out, lse) if return_lse else out
