@@ -15,7 +15,6 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 INDEX = ROOT / "book" / "exercises.md"
 HEADING = re.compile(r"^### Exercise (\d+)\.(\d+): (.+)$", re.M)
-LABEL = "(exercise-{}-{})="
 CHECK = re.compile(r'check\("(\w+)", ')
 
 
@@ -34,8 +33,15 @@ def source(cell) -> str:
     return "".join(cell["source"])
 
 
+def anchor(title: str) -> str:
+    """The id MyST gives a heading (`myst_heading_anchors`): math left out, code kept."""
+    from myst_parser.mdit_to_docutils.base import default_slugify
+
+    return default_slugify(re.sub(r"\$[^$]*\$", "", title).replace("`", ""))
+
+
 def exercises(path: Path) -> list:
-    """(number, title, label present, checked names) for each exercise of a chapter."""
+    """(number, title, anchor, checked names) for each exercise of a chapter."""
     cells = json.loads(path.read_text())["cells"]
     found = []
     for index, cell in enumerate(cells):
@@ -43,14 +49,13 @@ def exercises(path: Path) -> list:
             continue
         for match in HEADING.finditer(source(cell)):
             n, k, title = match.groups()
-            before = source(cell)[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
             checked = []
             for later in cells[index + 1 :]:
                 if later["cell_type"] == "markdown" and HEADING.search(source(later)):
                     break
                 if later["cell_type"] == "code":
                     checked += [c for c in CHECK.findall(source(later)) if c not in checked]
-            found.append((f"{n}.{k}", title, before == LABEL.format(n, k), checked))
+            found.append((f"{n}.{k}", title, anchor(f"Exercise {n}.{k}: {title}"), checked))
     return found
 
 
@@ -77,10 +82,9 @@ def render() -> str:
             part = caption
         number = int(path.stem.split("_")[0])
         lines += ["", f"[{number}. {chapter_title(path)}](../notebooks/{path.name})", ""]
-        for ex, title, _, checked in exercises(path):
-            n, k = ex.split(".")
+        for ex, title, slug, checked in exercises(path):
             tail = f" (checked: {', '.join(f'`{c}`' for c in checked)})" if checked else ""
-            lines.append(f"- [Exercise {ex}: {title}](#exercise-{n}-{k}){tail}")
+            lines.append(f"- [Exercise {ex}: {title}](../notebooks/{path.name}#{slug}){tail}")
     return "\n".join(lines) + "\n"
 
 
@@ -92,7 +96,6 @@ def test_every_chapter_ends_with_checked_exercises(path):
     assert [ex for ex, *_ in found] == [f"{number}.{k}" for k in range(1, len(found) + 1)]
     assert 2 <= len(found) <= 4, f"{path.name}: {len(found)} exercises"
     assert any(checked for *_, checked in found), f"{path.name}: no exercise is checked"
-    assert all(label for _, _, label, _ in found), "each exercise heading needs its label line"
     cells = json.loads(path.read_text())["cells"]
     last_h2 = [source(c) for c in cells if source(c).startswith("## ")][-1]
     assert last_h2.startswith("## Exercises"), "the Exercises section comes last"
