@@ -120,10 +120,27 @@ def _raw_printed_text(cell):
                 yield cell_source({"source": value})
 
 
+# What a folded answer's code prints, stored beside it as a ```text block; tests/test_answers.py
+# runs that code and compares its output with the block exactly.
+ANSWER_OUTPUT = re.compile(
+    r"<details><summary>Answer</summary>\n.*?\n</details>", re.S
+), re.compile(r"^```text\n(.*?)^```$", re.S | re.M)
+
+
 def printed_numbers(cells) -> set:
-    """Every number the compared outputs of these cells print, in canonical form."""
+    """Every number the compared outputs of these cells print, in canonical form.
+
+    The outputs that a folded answer shows in its ```text blocks count too (see ANSWER_OUTPUT).
+    """
     found = set()
+    details, text_block = ANSWER_OUTPUT
     for cell in cells:
+        if cell["cell_type"] == "markdown":
+            for answer in details.findall(cell_source(cell)):
+                for text in text_block.findall(answer):
+                    found.update(canonical(n) for n in PRINTED_NUMBER.findall(text))
+                    found.update(canonical(n) for n in GROUPED_NUMBER.findall(text))
+            continue
         if cell["cell_type"] != "code" or cell.get("execution_count") is None or is_ignored(cell):
             continue
         for text in printed_text(cell):
