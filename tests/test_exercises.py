@@ -1,10 +1,15 @@
-"""The exercise checker: every planted bug is named, correct answers pass, bad answers get words."""
+"""The exercise checker: every planted bug is named, correct answers pass, bad answers get words,
+and every verdict says which cases ran, to what tolerance, and where the book explains a bug."""
 
+import json
+import linecache
 import math
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,8 +17,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import attnlib.lab.exercises as ex_mod
-from attnlib.lab.exercises import BUGS, EXERCISES, check
+import attnlib.lab.exercises as package
+from attnlib.lab.exercises import BUGS, EXERCISES, Section, check
+from attnlib.lab.exercises.core import _as_tuple, _close
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -91,6 +97,18 @@ def split_loops(x, heads):
 
 def split_unflatten(x, heads):
     return x.unflatten(-1, (heads, -1)).permute(0, 2, 1, 3).double()
+
+
+def contributions_einsum(y, w_o):
+    blocks = w_o.reshape(w_o.shape[0], y.shape[1], y.shape[3])  # [d_model, H, D]
+    return torch.einsum("bhtd,mhd->bhtm", y, blocks)
+
+
+def contributions_loop(y, w_o):
+    d = y.shape[3]
+    return torch.stack(
+        [F.linear(y[:, h], w_o[:, h * d : (h + 1) * d]) for h in range(y.shape[1])], 1
+    )
 
 
 def angles(positions, d, pairs_per_feature):
@@ -368,6 +386,7 @@ def ring_loop(q, k, v, processes):
 CORRECT = {
     "causal_attention": [causal_einsum, causal_loops, causal_sdpa, causal_f64],
     "split_heads": [split_view, split_loops, split_unflatten],
+    "head_contributions": [contributions_einsum, contributions_loop],
     "decode_attention": [causal_einsum, causal_loops, decode_sdpa, causal_f64],
     "kv_cache_decode": [kv_decode, kv_decode_sdpa],
     "grouped_query_attention": [gqa_interleave, gqa_sdpa, gqa_index],
@@ -442,6 +461,19 @@ PLANTED = {  # bug -> (exercise, the reader's wrong answer)
     "transpose_wrong_axes": (
         "split_heads",
         lambda x, h: x.transpose(1, 2).reshape(x.shape[0], h, x.shape[1], -1),
+    ),
+    "head_features_strided": (
+        "head_contributions",
+        lambda y, w_o: torch.stack(
+            [F.linear(y[:, h], w_o[:, h :: y.shape[1]]) for h in range(y.shape[1])], 1
+        ),
+    ),
+    "w_o_cut_by_rows": (
+        "head_contributions",
+        lambda y, w_o: torch.stack(
+            [y[:, h] @ w_o[h * y.shape[3] : (h + 1) * y.shape[3]] for h in range(y.shape[1])],
+            1,
+        ),
     ),
     "top_left_mask": ("decode_attention", causal_sdpa),
     "cache_not_read": ("kv_cache_decode", lambda q, k, v, kc, vc: attend(q, k, v)),
@@ -601,10 +633,6 @@ def test_every_bug_is_planted_and_listed():
     assert set(PLANTED) == set(BUGS)
     listed = [(bug, name) for name, ex in EXERCISES.items() for bug in ex.bugs]
     assert sorted(listed) == sorted((bug, ex) for bug, ex, _ in PAIRS)
-    for name, bug in BUGS.items():  # ../notebooks/NN_name.ipynb#label, a label of that chapter
-        chapter, label = bug.link.removeprefix("../notebooks/").split(".ipynb#")
-        source = (REPO / "notebooks" / f"{chapter}.ipynb").read_text()
-        assert f'"({label})=\\n"' in source, f"{name}: no ({label})= in {chapter}"
 
 
 def assert_one_verdict(printed: str, exercise: str):
@@ -622,27 +650,25 @@ def test_each_planted_bug_is_named(bug, exercise, wrong, capsys):
     line = capsys.readouterr().out
     assert not result.passed
     assert result.diagnosis == bug, result.message
-    assert f"`{bug}`" in result.message and BUGS[bug].link in result.message
+    assert result.section == BUGS[bug].section
+    assert f"`{bug}`" in result.message and f"See {BUGS[bug].section}." in result.message
     assert_one_verdict(line, exercise)
+    assert line.rstrip("\n") == result.text
 
 
 def test_no_two_bugs_look_alike():
     """On an exercise's cases each wrong version of the bank reproduces itself and nothing else."""
-    for name, ex in EXERCISES.items():
+    for ex in EXERCISES.values():
         cases = ex.cases()
         for bug in ex.bugs:
-            outs = [ex_mod._as_tuple(ex_mod._wrong(name, bug)(*c.args)) for c in cases]
+            outs = [_as_tuple(ex.bugs[bug](*c.args)) for c in cases]
             assert not all(
-                ex_mod._close(o, ex_mod._as_tuple(ex.reference(*c.args)))
-                for c, o in zip(cases, outs)
+                _close(o, _as_tuple(ex.reference(*c.args))) for c, o in zip(cases, outs)
             ), bug
             alike = [
                 other
-                for other in ex.bugs
-                if all(
-                    ex_mod._close(o, ex_mod._as_tuple(ex_mod._wrong(name, other)(*c.args)), True)
-                    for c, o in zip(cases, outs)
-                )
+                for other, wrong in ex.bugs.items()
+                if all(_close(o, _as_tuple(wrong(*c.args)), True) for c, o in zip(cases, outs))
             ]
             assert alike == [bug]
 
@@ -659,6 +685,8 @@ def gen_args(name, seed, b, h, g, t, extra, d):
 
     if name == "split_heads":
         return randn(b, t, h * d), h
+    if name == "head_contributions":
+        return randn(b, h * g, t, d), randn(h * g * d, h * g * d)
     if name in ("causal_attention", "attention_backward"):
         return tuple(randn(b, h, t, d) for _ in range(4 if name == "attention_backward" else 3))
     if name == "decode_attention":
@@ -787,20 +815,24 @@ def half_weights(q, k, v):  # rows sum to 0.5
 @pytest.mark.parametrize(
     "fn, words",
     [
-        (raises, "raised RuntimeError: shapes do not match"),
-        (not_implemented, "not implemented yet"),
+        (
+            raises,
+            f"at line {raises.__code__.co_firstlineno + 1}, "
+            '`raise RuntimeError("shapes do not match")`: shapes do not match',
+        ),
+        (not_implemented, "Not implemented yet"),
         (lambda q, k, v: q.transpose(1, 2), "has shape"),
         (lambda q, k, v: q[..., :1], "has shape"),
-        (lambda q, k, v: attend(q, k, v).tolist(), "expected a torch.Tensor"),
+        (lambda q, k, v: attend(q, k, v).tolist(), "Expected a torch.Tensor"),
         (lambda q, k, v: None, "got NoneType"),
         (lambda q, k, v: (q, k), "got tuple"),
         (lambda q, k, v: q.long(), "floating-point"),
         (in_place, "changed its input `q` in place"),
-        (with_nan, "has NaN, first at [0, 0, 4, 1]"),
+        (with_nan, "has NaN, first at out[0, 0, 4, 1]"),
         (leaks, "which it must not see"),
         (half_weights, "sum to 0.5, not 1"),
-        (lambda q, k, v: attend(q, k, v) + 0.01, "first wrong entry: out[0, 0, 0, 0]"),
-        ("not a function", "expected a function"),
+        (lambda q, k, v: attend(q, k, v) + 0.01, "first wrong entry out[0, 0, 0, 0] = "),
+        ("not a function", "Expected a function"),
     ],
 )
 def test_malformed_answers_get_a_message(fn, words, capsys):
@@ -813,7 +845,7 @@ def test_malformed_answers_get_a_message(fn, words, capsys):
 
 def test_malformed_tuple_answers():
     result = check("attention_backward", lambda q, k, v, d: (q, k))
-    assert "expected a tuple of 3 tensors" in result.message
+    assert "Expected a tuple of 3 tensors" in result.message
     result = check("attention_backward", lambda q, k, v, d: (q, k, v[..., :2]))
     assert "dv has shape" in result.message
 
@@ -824,7 +856,8 @@ def test_stubs_say_not_implemented():
 
     for name in EXERCISES:
         result = check(name, stub)
-        assert not result.passed and "not implemented yet" in result.message
+        assert not result.passed and "Not implemented yet" in result.message
+        assert "\n  Cases it will run: " in result.text and "\n  Tolerance: " in result.text
 
 
 def test_timings_under_two_seconds():
@@ -844,3 +877,245 @@ def test_import_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---- the verdict: cases, tolerance, the failing case, the reader's line ----------------------
+
+
+def dtype_mismatch(q, k, v):
+    weights = torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, -1)
+    return weights.double() @ v
+
+
+def unwrapped(text: str) -> str:
+    """The verdict's lines joined again, as the reader's eye does."""
+    return " ".join(line.strip() for line in text.splitlines())
+
+
+def test_an_exception_names_the_readers_line(capsys):
+    result = check("causal_attention", dtype_mismatch)
+    printed = capsys.readouterr().out
+    line = dtype_mismatch.__code__.co_firstlineno + 2
+    assert not result.passed and result.diagnosis is None
+    assert "\n" not in result.message and "Traceback" not in printed
+    assert result.message.startswith(
+        f"Your function raised RuntimeError at line {line}, `return weights.double() @ v`: "
+    ), result.message
+    assert "dtype" in result.message or "Double" in result.message  # torch's own words
+    assert result.message.endswith("(case 1 of 5: B=2, H=3, T=5, D=8).")
+    assert_one_verdict(printed, "causal_attention")
+    assert result.message in unwrapped(printed)
+
+
+def test_an_exception_in_a_notebook_cell_names_the_cells_line():
+    """In Jupyter a cell is a file like /tmp/ipykernel_1/2.py that only linecache can read."""
+    filename = "/tmp/ipykernel_4242/123456.py"
+    code = "import torch\n\n\ndef mine(q, k, v):\n    return q @ k.mT.double()\n"
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    try:
+        namespace = {}
+        exec(compile(code, filename, "exec"), namespace)
+        result = check("causal_attention", namespace["mine"])
+    finally:
+        del linecache.cache[filename]
+    assert "raised RuntimeError at line 5, `return q @ k.mT.double()`: " in result.message
+
+
+def test_an_exception_without_the_readers_code_leaves_the_line_out():
+    result = check("causal_attention", torch.matmul)  # three tensors for two arguments
+    assert result.message.startswith("Your function raised TypeError: "), result.message
+    assert " at line " not in result.message
+
+
+def test_every_verdict_names_the_cases_and_the_tolerance(capsys):
+    labels = [c.label for c in EXERCISES["causal_attention"].cases()]
+    stub = check("causal_attention", not_implemented)
+    passed = check("causal_attention", causal_sdpa)
+    failed = check("causal_attention", PLANTED["mask_after_softmax"][1])
+    capsys.readouterr()
+    tolerance = "Tolerance: rtol 1e-3, atol 1e-4, against a float64 reference."
+    for result, cases in [(stub, "Cases it will run: "), (passed, "Cases: "), (failed, "Cases: ")]:
+        parts = result.text.split("\n  ")  # continuation lines of one part follow its first
+        assert any(p.startswith(cases) for p in parts), result.text
+        assert unwrapped(result.text).endswith(f"{cases}{'; '.join(labels)}. {tolerance}")
+    assert passed.text.startswith("causal_attention: passed. Correct on all 5 cases.")
+    assert stub.text.startswith("causal_attention: not yet. Not implemented yet")
+    first = re.search(
+        r"First failing case: 1 of 5 \(B=2, H=3, T=5, D=8\); largest difference (\d\S*); "
+        r"first wrong entry out\[0, 0, 0, 0\] = (\S+), expected (\S+)\.",
+        unwrapped(failed.text),
+    )
+    assert first, failed.text
+    assert first.group(1) in failed.message
+    assert 0 < float(first.group(1).rstrip(";")) < 10
+
+
+def test_many_cases_are_listed_by_the_first_five():
+    result = check(
+        "causal_attention", causal_sdpa, extra=[EXERCISES["causal_attention"].cases()[0].args] * 3
+    )
+    assert "; and 3 more." in unwrapped(result.text), result.text
+    assert "extra 0" not in result.text
+
+
+def test_the_largest_difference_and_the_wrong_entry_are_exact():
+    def off(q, k, v):
+        out = attend(q, k, v).clone()
+        out[..., -1, -1] += 0.25  # every head's last query, last feature
+        return out
+
+    result = check("causal_attention", off)
+    assert "largest difference 0.25; first wrong entry out[0, 0, 4, 7] = " in result.message
+
+
+# ---- sections: each bug points to a heading of the book, never to its own exercise -----------
+
+
+def walk(chapter: str):
+    """A notebook in order: ("heading", level, number or None, title, MyST's slug) for each
+    heading down to ### (none inside ``` fences), ("code", source) for each code cell."""
+    from myst_parser.mdit_to_docutils.base import default_slugify
+
+    cells = json.loads((REPO / "notebooks" / f"{chapter}.ipynb").read_text())["cells"]
+    n, k, m = int(chapter.split("_")[0]), 0, 0
+    slugs = set()
+    for cell in cells:
+        if cell["cell_type"] == "code":
+            yield "code", "".join(cell["source"])
+        if cell["cell_type"] != "markdown":
+            continue
+        fence = None
+        for line in "".join(cell["source"]).splitlines():
+            marker = re.match(r"\s*(```|~~~)", line)
+            if marker:
+                fence = None if fence == marker.group(1) else fence or marker.group(1)
+                continue
+            heading = re.match(r"(#{1,3}) (.+?)\s*$", line)
+            if fence or not heading:
+                continue
+            level, title = len(heading.group(1)), heading.group(2)
+            if level == 2:
+                k, m = k + 1, 0
+            elif level == 3:
+                m += 1
+            number = None if level == 1 else f"{n}.{k}" if level == 2 else f"{n}.{k}.{m}"
+            slug = default_slugify(re.sub(r"\$[^$]*\$", "", title).replace("`", ""))
+            i = 1
+            while slug in slugs:  # MyST's compute_unique_slug
+                slug, i = f"{slug}-{i}", i + 1
+            slugs.add(slug)
+            yield "heading", level, number, title, slug
+
+
+def notebook_headings(chapter: str) -> list:
+    """(level, number or None, title, MyST's slug) of the headings of a notebook's markdown."""
+    return [item[1:] for item in walk(chapter) if item[0] == "heading"]
+
+
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_every_section_is_a_heading_of_its_notebook(bug):
+    section = BUGS[bug].section
+    headings = notebook_headings(section.chapter)
+    titles = {number: (title, slug) for _, number, title, slug in headings if number}
+    assert section.number in titles, f"{bug}: no heading {section.number} in {section.chapter}"
+    title, slug = titles[section.number]
+    assert section.title == title, f"{bug}: §{section.number} is {title!r}"
+    assert section.slug == slug  # MyST's, with its -1 where the slug was taken before
+    assert section.url == f"{package.BOOK_URL}notebooks/{section.chapter}.html#{slug}"
+
+
+def test_slugs_follow_myst():
+    assert Section(
+        "07_positions", "7.7", "The `is_causal` pitfall: SDPA's top-left triangle"
+    ).slug == ("the-is_causal-pitfall-sdpas-top-left-triangle")
+    section = Section("05_causal_masking", "5.6", r"$-\infty$ or a large negative number?")
+    assert section.slug == "-or-a-large-negative-number"
+    assert str(section) == r"§5.6, $-\infty$ or a large negative number?"
+    assert Section("x", "1.1", "Measured", repeat=2).slug == "measured-1-2"  # MyST's way
+
+
+def exercise_sections() -> dict:
+    """Exercise name -> the Section of the `### Exercise` heading whose stub cell checks it."""
+    found = {}
+    for path in sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        current = None
+        for item in walk(path.stem):
+            if item[0] == "heading":
+                level, number, title = item[1:4]
+                exercise = level == 3 and title.startswith("Exercise ")
+                current = Section(path.stem, number, title) if exercise else None
+            elif "NotImplementedError" in item[1] and current:
+                for name in re.findall(r'check\("(\w+)"', item[1]):
+                    found.setdefault(name, current)
+    return found
+
+
+def test_no_bug_points_to_its_own_exercise():
+    own = exercise_sections()  # (a checked name the bank lacks is test_exercise_index's concern)
+    assert set(EXERCISES) <= set(own), set(EXERCISES) - set(own)
+    for name, ex in EXERCISES.items():
+        for bug in ex.bugs:
+            section = BUGS[bug].section
+            assert (section.chapter, section.number) != (own[name].chapter, own[name].number), (
+                f"{bug} sends the reader of {name} to its own exercise, {own[name]}"
+            )
+
+
+def test_jupyter_shows_the_section_as_a_link(monkeypatch, capsys):
+    IPython = pytest.importorskip("IPython")
+    display = pytest.importorskip("IPython.display")
+
+    shown = []
+    monkeypatch.setattr(IPython, "get_ipython", lambda: SimpleNamespace(kernel=object()))
+    monkeypatch.setattr(display, "display", lambda *a, **kw: shown.append((a, kw)))
+    result = check("causal_attention", PLANTED["mask_after_softmax"][1])
+    assert capsys.readouterr().out == ""
+    [((bundle,), kwargs)] = shown
+    assert kwargs == {"raw": True} and bundle["text/plain"] == result.text
+    section = BUGS["mask_after_softmax"].section
+    link = (
+        '<a href="https://attention-first-principles.github.io/attention-book/notebooks/'
+        f'05_causal_masking.html#{section.slug}" target="_blank">{section}</a>'
+    )
+    assert link in bundle["text/html"]
+    assert "<code>mask_after_softmax</code>" in bundle["text/html"]
+    monkeypatch.setattr(IPython, "get_ipython", lambda: None)  # a plain console: print
+    check("causal_attention", causal_sdpa)
+    assert capsys.readouterr().out.startswith("causal_attention: passed.") and len(shown) == 1
+
+
+# ---- the package: one chapter, one module ----------------------------------------------------
+
+
+def test_modules_are_small_and_each_exercise_lives_in_one():
+    folder = Path(package.__file__).parent
+    for path in folder.glob("*.py"):
+        assert len(path.read_text().splitlines()) < 500, path.name
+    names = [m.__name__.rsplit(".", 1)[1] for m in package.CHAPTERS]
+    assert names == sorted(p.stem for p in folder.glob("ch[0-9][0-9].py"))
+    for name, module in zip(names, package.CHAPTERS):  # ch05 is 05_causal_masking's
+        assert module.CHAPTER.startswith(name[2:] + "_")
+        assert (REPO / "notebooks" / f"{module.CHAPTER}.ipynb").exists()
+    for module in package.CHAPTERS:
+        borrowed = getattr(module, "BORROWED", {})
+        for name, bug in borrowed.items():
+            assert BUGS[name] is bug and name not in module.BUGS  # defined once, elsewhere
+        for name, ex in module.EXERCISES.items():
+            parts = [ex.cases, ex.reference, *ex.bugs.values()] + [ex.probe] * bool(ex.probe)
+            for fn in parts:
+                home = getattr(fn, "__module__", None) == module.__name__
+                assert home or any(fn is v for v in vars(module).values()), (name, fn)
+            assert set(ex.bugs) <= set(module.BUGS) | set(borrowed), name
+
+
+def test_the_registry_rejects_a_name_defined_twice():
+    chapter = package.CHAPTERS[0]
+    with pytest.raises(ValueError, match="defined twice"):
+        package.register([chapter, chapter])
+    twin = SimpleNamespace(__name__="twin", BUGS={}, EXERCISES=dict(chapter.EXERCISES))
+    with pytest.raises(ValueError, match="exercise 'context_vectors' is defined twice"):
+        package.register([chapter, twin])
+    stray = SimpleNamespace(__name__="stray", BUGS={}, EXERCISES=dict(chapter.EXERCISES))
+    with pytest.raises(ValueError, match="unknown bugs"):
+        package.register([stray])
+    assert package.register(package.CHAPTERS) == (EXERCISES, BUGS)
