@@ -317,6 +317,18 @@ def test_page(visit, page):
             check(any(text == "Open in Colab" for text, *_ in links), "no 'Open in Colab' link")
         report["colab"] = [f"{text or title}: {href}" for text, href, title in links]
 
+    # Answers: every folded answer starts closed and hides its code until it is opened.
+    if page.startswith("notebooks/") and not is_placeholder(page):
+        answers = p.locator("details:has(> summary)")
+        shut = p.evaluate(
+            """() => Array.from(document.querySelectorAll('main details')).map(d => [
+            d.open, d.querySelector('summary').innerText.trim(),
+            Array.from(d.querySelectorAll('pre')).some(e => e.offsetParent !== null)])"""
+        )
+        check(answers.count() >= 2, f"only {answers.count()} folded answers")
+        check(all(not o and s == "Answer" and not v for o, s, v in shut), f"answers: {shut}")
+        report["answers"] = len(shut)
+
     # Widgets: all rendered; every slider and every toggle group switches what its box shows.
     check(rendered >= views, f"only {rendered} of {views} widget views rendered")
     changes = report.setdefault("changes", [])
@@ -368,3 +380,14 @@ def test_index_redirects_within_the_site(visit):
     v.page.wait_for_url(re.compile(r"/book/intro\.html$"))
     v.settle()
     assert not v.blocked and not v.problems and not v.site.errors
+
+
+def test_the_exercise_index_links_resolve():
+    """Every link of the exercise index lands on a heading id of the built chapter."""
+    index = (HTML / "book" / "exercises.html").read_text()
+    links = re.findall(r'href="\.\./notebooks/([\w.]+\.html)#([\w-]+)"', index)
+    assert len(links) >= 60, len(links)
+    pages = {}
+    for name, anchor in links:
+        html = pages.setdefault(name, (HTML / "notebooks" / name).read_text())
+        assert f'id="{anchor}"' in html, f"{name}#{anchor} has no target"

@@ -9,6 +9,7 @@ from .core import Bug, Case, Exercise, Section
 
 CHAPTER = "08_rotary_positions"
 ROTATE_HALF = Section(CHAPTER, "8.6", "The layout of Qwen3 and Hugging Face's Llama: rotate half")
+POSITIONS_RULE = Section(CHAPTER, "8.10", "RoPE and the positions rule, together")
 
 BUGS = {
     "rope_interleaved_pairs": Bug(
@@ -24,12 +25,13 @@ BUGS = {
     "rope_positions_off_by_one": Bug(
         "Every token is rotated by the angle of the next position: positions + 1 instead of the "
         "positions given (the first token is not rotated at all).",
-        Section(CHAPTER, "8.10", "RoPE and the positions rule, together"),
+        POSITIONS_RULE,
     ),
     "rope_on_v": Bug(
         "RoPE was applied to the values too; it belongs on queries and keys only, where it makes "
-        "the scores depend on relative position.",
-        Section(CHAPTER, "8.4", "Rotary positions in two dimensions"),
+        "the scores depend on relative position. Turned values carry their absolute positions "
+        "into the outputs, which then move whenever the whole text moves.",
+        POSITIONS_RULE,
     ),
 }
 
