@@ -1,45 +1,75 @@
-"""Chapter 17, a language model: its loss as bits per byte."""
+"""Chapter 17, a language model: a head score of its own, the weight on the start of the line."""
 
 import math
 
+import torch
+
+from ...softmax import softmax
+from .cases import randn, tril
 from .core import Bug, Case, Exercise, Section
 
 CHAPTER = "17_language_model"
-LEARNED = Section(CHAPTER, "17.5", "What it learned")
+HEADS_AT_WORK = Section(CHAPTER, "17.6", "Heads at work")
 
 BUGS = {
-    "bits_per_token": Bug(
-        "The loss became bits per token, not per byte: the total bits are divided by the "
-        "tokens where the bytes of the text belong.",
-        LEARNED,
+    "line_start_after_break": Bug(
+        "The mean kept the queries whose line break is the token just before them. There the "
+        "start of the line is key i - 1, where every previous-token head looks anyway; leave "
+        "out the queries with n(i) = i - 1.",
+        HEADS_AT_WORK,
     ),
-    "nats_not_bits": Bug(
-        "The loss stayed in nats: one bit is ln 2 nats, so divide by ln 2.",
-        LEARNED,
+    "line_start_over_all_queries": Bug(
+        "The mean ran over every query, counting 0 for those without a break before them; like "
+        "the scores of eq. 17.2, it runs over the queries the score is about, those with a "
+        "break at n(i) < i - 1.",
+        HEADS_AT_WORK,
     ),
 }
 
 
-def _bits_per_byte(loss, tokens, text_bytes, per_byte=True, bits=True):
-    total = loss * tokens / (math.log(2) if bits else 1.0)
-    return total / (text_bytes if per_byte else tokens)
+def _line_start(weights, newline, after_break=False, over_all=False):
+    """Per head: the mean weight from query i on the last break before it, key n(i) (float64)."""
+    weights = weights.double()
+    t = newline.shape[-1]
+    positions = torch.arange(t)
+    marks = torch.where(newline.bool(), positions, torch.full_like(positions, -1))
+    last = marks.cummax(-1).values  # [B, T]: the last break at or before each position
+    start = torch.cat([torch.full_like(last[:, :1], -1), last[:, :-1]], -1)  # before i
+    counted = start >= 0 if after_break else (start >= 0) & (start < positions - 1)
+    picked = weights.gather(-1, start.clamp(min=0)[:, None, :, None].expand(*weights.shape[:3], 1))
+    total = (picked[..., 0] * counted[:, None]).sum((0, 2))  # [H]
+    return total / (counted.numel() if over_all else counted.sum())
 
 
 def _cases():
-    sizes = [(4.0, 1000, 3500), (2.3, 512, 2048), (1.0, 100, 100), (0.5, 7, 29)]
-    return [Case(s, f"loss={s[0]}, tokens={s[1]}, text_bytes={s[2]}") for s in sizes]
+    gen, cases = torch.Generator().manual_seed(17), []
+    for b, h, t, breaks in [
+        (2, 2, 12, [[3, 4, 9], [0, 6]]),
+        (1, 3, 16, [[2, 3, 7, 8, 15]]),
+        (2, 1, 10, [[], [1, 5]]),
+        (1, 2, 8, [[0, 4]]),
+    ]:
+        scores = 2 * randn(gen, b, h, t, t)
+        weights = softmax(scores.masked_fill(~tril(t, t), -math.inf))  # [B, H, T, T], causal
+        newline = torch.zeros(b, t, dtype=torch.bool)
+        for row, where in enumerate(breaks):
+            newline[row, where] = True
+        label = f"B={b}, H={h}, T={t}, breaks at {'; '.join(map(str, breaks))}"
+        cases.append(Case((weights, newline), label.replace("[]", "none")))
+    return cases
 
 
 EXERCISES = {
-    "bits_per_byte": Exercise(
-        "fn(loss, tokens, text_bytes) -> bits; loss in nats per token, counts as ints",
-        "The model's loss over a text as bits per byte of that text.",
+    "line_start_score": Exercise(
+        "fn(weights, newline) -> scores; weights [B, H, T, T], newline [B, T] bool -> [H]",
+        "Each head's mean weight from query i on key n(i), the last position before i whose "
+        "token holds a line break, over the queries with n(i) < i - 1.",
         _cases,
-        _bits_per_byte,
-        ("bits (a number)",),
+        _line_start,
+        ("scores [H]",),
         {
-            "bits_per_token": lambda loss, n, size: _bits_per_byte(loss, n, size, per_byte=False),
-            "nats_not_bits": lambda loss, n, size: _bits_per_byte(loss, n, size, bits=False),
+            "line_start_after_break": lambda w, nl: _line_start(w, nl, after_break=True),
+            "line_start_over_all_queries": lambda w, nl: _line_start(w, nl, over_all=True),
         },
     ),
 }
