@@ -122,9 +122,10 @@ def _raw_printed_text(cell):
 
 # What a folded answer's code prints, stored beside it as a ```text block; tests/test_answers.py
 # runs that code and compares its output with the block exactly.
-ANSWER_OUTPUT = re.compile(
-    r"<details><summary>Answer</summary>\n.*?\n</details>", re.S
-), re.compile(r"^```text\n(.*?)^```$", re.S | re.M)
+ANSWER_OUTPUT = (
+    re.compile(r"<details><summary>Answer</summary>\n.*?\n</details>", re.S),
+    re.compile(r"^```text\n(.*?)^```$", re.S | re.M),
+)
 
 
 def printed_numbers(cells) -> set:
