@@ -8,10 +8,10 @@ folded in Jupyter, Colab and the HTML book alike, and never executed by them. He
 prints, compared exactly.
 """
 
-import contextlib
-import io
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,41 +112,73 @@ def test_run_all_leaves_the_stubs_and_no_verdict_says_passed(path):
             ), f"exercise {number}: its answer does not run check({name!r}, ...)"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_every_answer_runs_and_passes(path, monkeypatch):
-    from attnlib.lab import exercises as bank
+# Runs one chapter's answers in a fresh Python, so that they neither see nor change the state of
+# the test process (threads, seeds, the allocator's free memory), and reports as JSON.
+DRIVER = """
+import contextlib, io, json, sys, traceback
+from attnlib.lab import exercises as bank
 
-    results = []
+real_check, results, report = bank.check, [], {"errors": [], "mismatches": []}
 
-    def recording_check(name, fn, *args, **kwargs):
-        result = real_check(name, fn, *args, **kwargs)
-        results.append((name, result.passed))
-        return result
 
-    real_check = bank.check
-    monkeypatch.setattr(bank, "check", recording_check)
-    for number, blocks in answers(path):
-        namespace = {"__name__": f"answer_{number.replace('.', '_')}"}
-        last_output = None
-        for kind, code in blocks:
-            if kind == "text":
-                assert last_output is not None, f"exercise {number}: text with no code before it"
-                assert last_output.rstrip() == code.rstrip(), (
-                    f"exercise {number} prints\n{last_output}\nnot what its answer shows\n{code}"
-                )
-                last_output = None
-                continue
-            buffer = io.StringIO()
+def recording_check(name, fn, *args, **kwargs):
+    result = real_check(name, fn, *args, **kwargs)
+    results.append((name, result.passed))
+    return result
+
+
+bank.check = recording_check
+for number, blocks in json.load(sys.stdin):
+    namespace, last_output = {"__name__": "answer_" + number.replace(".", "_")}, None
+    for kind, code in blocks:
+        if kind == "text":
+            if last_output is None or last_output.rstrip() != code.rstrip():
+                report["mismatches"].append([number, last_output, code])
+            last_output = None
+            continue
+        buffer = io.StringIO()
+        try:
             with contextlib.redirect_stdout(buffer):
-                exec(compile(code, f"<answer {number}>", "exec"), namespace)
-            last_output = buffer.getvalue()
-    failed = [name for name, passed in results if not passed]
+                exec(compile(code, "<answer " + number + ">", "exec"), namespace)
+        except BaseException:
+            report["errors"].append([number, traceback.format_exc()])
+            break
+        last_output = buffer.getvalue()
+report["results"] = results
+print("\\nREPORT " + json.dumps(report))
+"""
+
+
+def run_answers(path: Path) -> dict:
+    """Every answer of a chapter run in a fresh Python: errors, text mismatches, check results."""
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER],
+        input=json.dumps(answers(path)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.rsplit("\nREPORT ", 1)[1])
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_answer_runs_and_passes(path):
+    report = run_answers(path)
+    assert not report["errors"], f"{path.name}: an answer raised: {report['errors']}"
+    for number, printed, shown in report["mismatches"]:
+        raise AssertionError(
+            f"exercise {number} prints\n{printed}\nnot what its answer shows\n{shown}"
+        )
+    failed = [name for name, passed in report["results"] if not passed]
     assert not failed, f"{path.name}: answers that do not pass: {failed}"
     checked = {name for _, _, checks in exercises(path) for name in checks}
-    assert checked <= {name for name, _ in results}, checked - {n for n, _ in results}
+    ran = {name for name, _ in report["results"]}
+    assert checked <= ran, f"{path.name}: no answer runs check for {checked - ran}"
 
 
-def test_the_answer_check_can_fail(monkeypatch, tmp_path):
+def test_the_answer_check_can_fail(tmp_path):
     """A wrong answer, a missing answer and a stub overwritten by Run all are all caught."""
     stub = {
         "cell_type": "code",
@@ -171,10 +203,10 @@ def test_the_answer_check_can_fail(monkeypatch, tmp_path):
     stub["source"] = stub["source"].replace('"softmax"', '"stable_softmax"')
     book.write_text(json.dumps({"cells": [heading, stub]}))
     with pytest.raises(AssertionError, match="do not pass"):
-        test_every_answer_runs_and_passes(book, monkeypatch)
+        test_every_answer_runs_and_passes(book)
     heading["source"] = heading["source"].replace(
         "```\n\n</details>", "```\n\n```text\n1\n```\n\n</details>"
     )
     book.write_text(json.dumps({"cells": [heading, stub]}))
     with pytest.raises(AssertionError, match="not what its answer shows"):
-        test_every_answer_runs_and_passes(book, monkeypatch)
+        test_every_answer_runs_and_passes(book)
