@@ -116,7 +116,8 @@ def causal_mask(batch: int, queries: int, keys: int, dtype, device=None) -> torc
 
     The T queries are the last T of the S keys (positions S-T..S-1), as after a cache.
     An additive float mask is what both implementations accept: eager adds the mask to the
-    scores, so a boolean mask there would add 1 and 0 and mask nothing.
+    scores, so a boolean mask there adds 1 to the allowed scores and 0 to the others, which
+    leaves every future key e^-1 of its weight relative to the allowed ones.
     """
     query_positions = torch.arange(keys - queries, keys, device=device).expand(batch, queries)
     key_positions = torch.arange(keys, device=device).expand(batch, keys)
@@ -164,7 +165,15 @@ def tolerance(dtype: str, output_scale: float) -> float:
     """The accepted max |diff|; for bfloat16, 4 bfloat16 steps at the largest |output|'s size."""
     if dtype != "bfloat16":
         return TOLERANCE[dtype]
+    if math.isnan(output_scale):  # a NaN output: no tolerance, so no match
+        return math.nan
     return BFLOAT16_STEPS * 2.0 ** (math.floor(math.log2(max(output_scale, 1e-30))) - 7)
+
+
+def largest(values) -> float:
+    """The largest of `values`, or NaN if any is NaN (Python's max skips a NaN after the first)."""
+    values = [float(value) for value in values]
+    return math.nan if any(math.isnan(value) for value in values) else max(values)
 
 
 def _diff(manual: torch.Tensor, layer_out: torch.Tensor) -> dict:
@@ -280,8 +289,9 @@ def report(
     dtype = str(layer.q_proj.weight.dtype).replace("torch.", "")
     cases = run_cases(layer, seq_len, batch, seed)
     diffs = [d for per_impl in cases.values() for d in per_impl.values()]
-    worst = max(d["max_abs_diff"] for d in diffs)
-    bound = tolerance(dtype, max(d["output_scale"] for d in diffs))
+    worst = largest(d["max_abs_diff"] for d in diffs)  # NaN if any case gave NaN
+    scale = largest(d["output_scale"] for d in diffs)
+    bound = tolerance(dtype, scale)
     return {
         "model": model,
         "weights": weights,
@@ -293,10 +303,10 @@ def report(
         "seed": seed,
         "dtype": dtype,
         "tolerance": bound,
-        "output_scale": max(d["output_scale"] for d in diffs),
+        "output_scale": scale,
         "max_abs_diff": worst,
         "mean_abs_diff": sum(d["mean_abs_diff"] for d in diffs) / len(diffs),
-        "match": worst < bound,
+        "match": worst < bound,  # False for a NaN difference or scale
         "cases": cases,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
