@@ -128,7 +128,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _weights(q: torch.Tensor, k: torch.Tensor, prepared: Prepared) -> torch.Tensor:
     work = compute_dtype(q.dtype)
     k = repeat_kv(k, q.shape[1] // k.shape[1])  # [B, Hq, S, D]
-    scores = (q.to(work) @ k.to(work).transpose(-2, -1)) * prepared.scale  # [B, Hq, T, S], 3.5
+    scores = (q.to(work) @ k.to(work).transpose(-2, -1)) * prepared.scale  # [B, Hq, T, S], eq. 3.3
     mask = mask_of(prepared)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))  # eq. 5.1: before the softmax
@@ -165,7 +165,7 @@ def causal_attention(
     `allowed`: an optional boolean mask broadcastable to [B, Hq, T, S] (True = may attend).
     The default scale is 1/sqrt(D). A query that sees no key outputs zeros.
     causal=False drops the positions rule: every query sees every key (bidirectional).
-    fused=True: PyTorch's fused kernel with the same dense [B, 1, T, S] mask (chapter 14 shows
+    fused=True: PyTorch's fused kernel with the same dense [B, 1, T, S] mask (chapter 15 shows
     why that mask is itself T x S, and `causal_lower_right`, which keeps the fused kernel).
     """
     prepared = prepare(q, k, v, query_positions, key_positions, allowed, scale, causal)

@@ -66,12 +66,12 @@ def library(language="cpp", flags=None):
                                                                   "-o", str(out)]))  # fmt: skip
 
 
-# Tiled attention compiled (chapters 14 and 15): compiled with -ffast-math, which lets g++
+# Tiled attention compiled (chapters 15 and 16): compiled with -ffast-math, which lets g++
 # call glibc's vector exp2f, and linked without it, so that crtfastmath.o, which would switch
-# the whole process to flush-to-zero when the library loads, is not linked in. -march=native:
-# the key holds this CPU's flags, so another CPU builds its own; on x86, 512-bit vectors where
-# the CPU has them (g++ otherwise stops at 256 bits, and the softmax steps take half again as
-# long on AVX-512).
+# the loading thread, and the threads started after it, to flush-to-zero when the library loads,
+# is not linked in. -march=native: the key holds this CPU's flags, so another CPU builds its
+# own; on x86, 512-bit vectors where the CPU has them (g++ otherwise stops at 256 bits, and the
+# softmax steps take half again as long on AVX-512).
 TILE_COMPILE = "-O3 -march=native -fopenmp -ffast-math -fPIC -c"
 TILE_COMPILE += " -mprefer-vector-width=512" if platform.machine() in ("x86_64", "AMD64") else ""
 TILE_LINK = "-shared -fopenmp"
@@ -99,7 +99,7 @@ def tile_library() -> Path:
 def tile_kernels(name: str):
     """The (float32, float64) kernels NAME_f32 and NAME_f64 of tile_library(), loaded once:
     'tile_pass' (one tile's softmax steps, eq. 14.1), 'tiled_forward' (eqs. 14.1-14.2) or
-    'tiled_backward' (eqs. 15.1-15.5)."""
+    'tiled_backward' (eqs. 16.1-16.5)."""
     p, n = ctypes.c_void_p, ctypes.c_int64
     arguments = {"tile_pass": [p] * 4 + [n] * 3, "tiled_forward": [p] * 11 + [n, n, p],
                  "tiled_backward": [p] * 15 + [n, n, p]}  # fmt: skip

@@ -1,7 +1,7 @@
 """Tiled attention with an online softmax, FlashAttention-style (eqs. 14.1-14.2), and its backward.
 
 The same function as `causal_attention`, one [query block x key block] tile at a time, so the
-[T, S] score matrix never exists, not even for training: the backward (eqs. 15.1-15.5)
+[T, S] score matrix never exists, not even for training: the backward (eqs. 16.1-16.5)
 recomputes each tile's weights from the per-row log-sum-exp L that the forward saves.
 """
 
@@ -109,7 +109,7 @@ def _compiled_forward(q, k, v, prepared: Prepared, block: int, with_lse: bool):
 
 
 def _compiled_backward(grad, grad_lse, q, k, v, out, lse, prepared: Prepared, block: int):
-    """_backward's result from attnlib/csrc/tiled.cpp: eqs. 15.1-15.5 per KV head, each tile's
+    """_backward's result from attnlib/csrc/tiled.cpp: eqs. 16.1-16.5 per KV head, each tile's
     P and dS kept in one core's cache; every sum in one fixed order (deterministic)."""
     if q.shape[2] == 0 or k.shape[2] == 0:
         return _backward(grad, grad_lse, q, k, v, out, lse, prepared, block)
@@ -131,7 +131,7 @@ def _compiled_backward(grad, grad_lse, q, k, v, out, lse, prepared: Prepared, bl
 
 
 def _forward(q, k, v, prepared: Prepared, block: int, with_lse: bool, inner="torch"):
-    """Eqs. 14.1-14.2 by tiles: O [B, Hq, T, Dv] in q's dtype and, if asked, L [B, Hq, T] (15.5)."""
+    """Eqs. 14.1-14.2 by tiles: O [B, Hq, T, Dv] in q's dtype and, if asked, L [B, Hq, T] (16.5)."""
     if inner == "cpp":
         return _compiled_forward(q, k, v, prepared, block, with_lse)
     group, work = q.shape[1] // k.shape[1], compute_dtype(q.dtype)  # eq. 9.1: h = kv*g + r
@@ -163,13 +163,13 @@ def _forward(q, k, v, prepared: Prepared, block: int, with_lse: bool, inner="tor
 
 
 def _delta(grad, grad_lse, out, work) -> torch.Tensor:
-    """delta = rowsum(dO o O) (eq. 15.2) less dL, [B, Hq, T]; only rows that saw a key matter."""
+    """delta = rowsum(dO o O) (eq. 16.2) less dL, [B, Hq, T]; only rows that saw a key matter."""
     delta = (grad.to(work) * out.to(work)).sum(-1)
     return delta - grad_lse.to(work).nan_to_num(0.0, 0.0, 0.0)
 
 
 def _backward(grad, grad_lse, q, k, v, out, lse, prepared: Prepared, block: int):
-    """Eqs. 15.1-15.4 by tiles: dQ, dK, dV from dO [B, Hq, T, Dv]; each tile's P from L (15.5).
+    """Eqs. 16.1-16.4 by tiles: dQ, dK, dV from dO [B, Hq, T, Dv]; each tile's P from L (16.5).
 
     A gradient dL [B, Hq, T] of the log-sum-exp adds P * dL to dS (dL/dZ = P): delta - dL.
     """
@@ -183,11 +183,11 @@ def _backward(grad, grad_lse, q, k, v, out, lse, prepared: Prepared, block: int)
         q_tile, do = (x[:, :, :, i0:i1].flatten(2, 3) for x in (q2, grad))  # [B, Hkv, g*t, D|Dv]
         row_lse, row_delta = (x[:, :, :, i0:i1].flatten(2, 3)[..., None] for x in (lse, delta))
         for j0, j1, mask in tiles:
-            p = _scores(q_tile, k[:, :, j0:j1], mask).sub_(row_lse).exp2_()  # eq. 15.5: P
-            dv[:, :, j0:j1] += p.transpose(-2, -1) @ do  # eq. 15.1: dV = P^T dO, summed over g
-            ds = (do @ v[:, :, j0:j1].transpose(-2, -1)).sub_(row_delta).mul_(p)  # eq. 15.3
-            dq[:, :, :, i0:i1] += (ds @ k[:, :, j0:j1]).unflatten(2, (group, -1))  # eq. 15.4
-            dk[:, :, j0:j1] += ds.transpose(-2, -1) @ q_tile  # eq. 15.4, q_tile holds the scale
+            p = _scores(q_tile, k[:, :, j0:j1], mask).sub_(row_lse).exp2_()  # eq. 16.5: P
+            dv[:, :, j0:j1] += p.transpose(-2, -1) @ do  # eq. 16.1: dV = P^T dO, summed over g
+            ds = (do @ v[:, :, j0:j1].transpose(-2, -1)).sub_(row_delta).mul_(p)  # eq. 16.3
+            dq[:, :, :, i0:i1] += (ds @ k[:, :, j0:j1]).unflatten(2, (group, -1))  # eq. 16.4
+            dk[:, :, j0:j1] += ds.transpose(-2, -1) @ q_tile  # eq. 16.4, q_tile holds the scale
     dq, dk = dq.mul_(scale).flatten(1, 2), dk.div_(LOG2_E)  # [B, Hq, T, D], [B, Hkv, S, D]
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
@@ -230,8 +230,8 @@ def tiled_attention(
     """`causal_attention` (eq. 2.2 with 7.1, 9.1) by online softmax over key blocks (14.1-14.2).
 
     q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> [B, Hq, T, Dv] in q's dtype, with
-    `causal_attention`'s arguments; block_size x block_size tiles; differentiable (15.1-15.5).
-    return_lse=True also returns L (eq. 15.5, natural log) [B, Hq, T] in the compute dtype, -inf
+    `causal_attention`'s arguments; block_size x block_size tiles; differentiable (16.1-16.5).
+    return_lse=True also returns L (eq. 16.5, natural log) [B, Hq, T] in the compute dtype, -inf
     for a query that sees no key; gradients flow through both. inner="cpp" runs the forward
     and the backward compiled (attnlib/csrc/tiled.cpp), each tile kept in one core's cache.
     """

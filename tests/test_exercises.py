@@ -224,7 +224,7 @@ def padded_sdpa(q, k, v, lengths):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=padded_mask(lengths, q.shape[2]))
 
 
-# chapters 1-4, 10-13 and 16
+# chapters 1-4, 10-13 and 17
 
 
 def context_softmax(x):
@@ -331,7 +331,7 @@ def induction_diagonal(weights, offset):
     return line[:, 1:-1].mean(-1)
 
 
-# chapters 17-20
+# chapters 18-21
 
 
 def composition_formula(w_qk, w_ov):
@@ -719,7 +719,7 @@ def gen_args(name, seed, b, h, g, t, extra, d):
 
 
 def gen_args_more(name, randn, b, h, g, t, extra, d):
-    """The arguments of the exercises of chapters 1-4, 10-13 and 16."""
+    """The arguments of the exercises of chapters 1-4, 10-13 and 17."""
     if name == "context_vectors":
         return (randn(t, d),)
     if name == "qkv_attention":
@@ -748,7 +748,7 @@ def gen_args_more(name, randn, b, h, g, t, extra, d):
 
 
 def gen_args_last(name, randn, b, h, g, t, extra, d):
-    """The arguments of the exercises of chapters 17-20."""
+    """The arguments of the exercises of chapters 18-21."""
     if name == "composition_score":
         return randn(d, d), randn(d, d) * g
     if name == "merge_partials":

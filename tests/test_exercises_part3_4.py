@@ -204,3 +204,101 @@ def test_the_wrong_functions_of_the_diagnoses_are_named_here_too(capsys):
 
     assert check("qk_norm", norm_over_all_heads).diagnosis == "rmsnorm_over_all_heads"
     assert check("online_softmax", sum_not_rescaled).diagnosis == "online_sum_not_rescaled"
+
+
+# ---- exercise 15.1: the tiles a block mask lists ----------------------------------------------
+
+
+def rule(query_positions, key_positions, window, reach=0, pads=True):
+    q, k = query_positions[:, None], key_positions[None, :]
+    seen = (k <= q) & (q - k < window + reach)
+    return seen & (k >= 0) if pads else seen
+
+
+def counts_by_tiles(visible, block, partial_only=False):
+    listed = full = 0
+    for i in range(0, visible.shape[0], block):
+        for j in range(0, visible.shape[1], block):
+            tile = visible[i : i + block, j : j + block]
+            listed += int(tile.any() and not (partial_only and tile.all()))
+            full += int(tile.all())
+    return listed, full
+
+
+def counts_loops(query_positions, key_positions, block, window):
+    return counts_by_tiles(rule(query_positions, key_positions, window), block)
+
+
+def counts_padded_reshape(query_positions, key_positions, block, window):
+    """Pad the grid to whole tiles (False for `any`, True for `all`) and reduce per tile."""
+    visible = rule(query_positions, key_positions, window)
+    t, s = visible.shape
+    rows, cols = -(-t // block) * block, -(-s // block) * block
+
+    def tiles(fill):
+        grid = torch.full((rows, cols), fill)
+        grid[:t, :s] = visible
+        return grid.reshape(rows // block, block, cols // block, block).transpose(1, 2)
+
+    listed = tiles(False).flatten(2).any(-1)
+    full = tiles(True).flatten(2).all(-1)
+    return torch.tensor(float(listed.sum())), torch.tensor(float(full.sum()))
+
+
+def counts_one_too_wide(query_positions, key_positions, block, window):
+    return counts_by_tiles(rule(query_positions, key_positions, window, reach=1), block)
+
+
+def counts_pads_seen(query_positions, key_positions, block, window):
+    return counts_by_tiles(rule(query_positions, key_positions, window, pads=False), block)
+
+
+def counts_partial_only(query_positions, key_positions, block, window):
+    visible = rule(query_positions, key_positions, window)
+    return counts_by_tiles(visible, block, partial_only=True)
+
+
+def counts_without_causal(query_positions, key_positions, block, window):  # not in the bank
+    q, k = query_positions[:, None], key_positions[None, :]
+    return counts_by_tiles((k >= 0) & ((q - k).abs() < window), block)
+
+
+PLANTED_ALSO = [
+    ("block_window_one_too_wide", "block_counts", counts_one_too_wide),
+    ("block_pads_visible", "block_counts", counts_pads_seen),
+    ("block_listed_without_full", "block_counts", counts_partial_only),
+]
+
+
+@pytest.mark.parametrize("bug, exercise, wrong", PLANTED_ALSO, ids=[b for b, _, _ in PLANTED_ALSO])
+def test_a_planted_block_count_bug_is_named(bug, exercise, wrong, capsys):
+    result = check(exercise, wrong)
+    assert not result.passed and result.diagnosis == bug, result.text
+    assert result.section == BUGS[bug].section
+    assert (result.section.chapter, result.section.number) == ("15_flex_windows_fusion", "15.2")
+
+
+@pytest.mark.parametrize("fn", [counts_loops, counts_padded_reshape], ids=lambda fn: fn.__name__)
+def test_a_right_block_count_passes(fn, capsys):
+    result = check("block_counts", fn)
+    assert result.passed and result.diagnosis is None, result.text
+
+
+def test_an_unknown_block_count_mistake_gets_no_name(capsys):
+    result = check("block_counts", counts_without_causal)
+    assert not result.passed and result.diagnosis is None, result.text
+
+
+@pytest.mark.parametrize("lengths, window", [([256, 256], 512), ([384, 200], 100), ([384, 50], 7)])
+def test_the_block_count_reference_is_flexattentions_block_mask(lengths, window):
+    """At FlexAttention's tiles of 128, the reference counts what create_block_mask lists."""
+    from attnlib.lab import flex
+
+    key_pos, _ = attnlib.left_padding(lengths, total=max(lengths))
+    query_pos = key_pos[:, -128:]
+    mask = flex.positions_block_mask(query_pos, key_pos, window=window)
+    reference = EXERCISES["block_counts"].reference
+    for row in range(len(lengths)):
+        listed, full = reference(query_pos[row], key_pos[row], 128, window)
+        assert full == int(mask.full_kv_num_blocks[row].sum())
+        assert listed == full + int(mask.kv_num_blocks[row].sum())

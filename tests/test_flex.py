@@ -1,7 +1,7 @@
 """flex_causal_attention: the positions rule as a FlexAttention mask_mod, against causal_attention.
 
 Every compile of a new shape costs seconds on the CPU, so the checks share three shapes: a chunk
-of 8 queries (4 heads on 2 KV heads) over 48 keys and one decode query, both as in chapter 14
+of 8 queries (4 heads on 2 KV heads) over 48 keys and one decode query, both as in chapter 15
 (whose compiles Inductor's disk cache then shares), and the chunk with 4 KV heads (plain MHA).
 Positions, pads and windows change only tensors the mask_mod reads, which needs no recompile.
 """

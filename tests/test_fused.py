@@ -193,7 +193,7 @@ def test_tile_states_say_exactly_whether_eq_7_1_hides_all_none_or_some(seed, blo
 def test_the_compiled_backward_equals_autograd_of_the_reference(
     seed, kv_heads, group, queries, extra, block, masked
 ):
-    """Eqs. 15.1-15.5 compiled: dQ, dK, dV, through O and L, equal the torch inner's backward;
+    """Eqs. 16.1-16.5 compiled: dQ, dK, dV, through O and L, equal the torch inner's backward;
     through O, float64 autograd of SDPA with an explicit mask."""
     q, k, v = _qkv(seed, 2, kv_heads * group, kv_heads, queries, queries + extra, 6, 5,
                    torch.float64)  # fmt: skip

@@ -1,4 +1,4 @@
-"""The fusion benchmark of chapter 14 (attnlib.lab.fusion): counts exact, runs end to end.
+"""The fusion benchmark of chapter 15 (attnlib.lab.fusion): counts exact, runs end to end.
 
 No time is asserted: the benchmark prints its findings and writes them to JSON.
 """

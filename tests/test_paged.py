@@ -118,6 +118,11 @@ def test_memory_table_counts_blocks_and_reserved_slots():
     assert table["tokens"] == 34 and table["blocks"] == 4
     assert table["paged_bytes"] == 4 * 16 * 8 and table["contiguous_bytes"] == 3 * 17 * 8
     assert table["paged_used"] == 34 / 64
+    limit = memory_table([1, 16, 17], 16, 1, 1, bytes_per_number=4, reserve=32)
+    assert limit["contiguous_bytes"] == 3 * 32 * 8 and limit["paged_bytes"] == 4 * 16 * 8
+    assert limit["contiguous_used"] == 34 / 96
+    with pytest.raises(ValueError, match="below the longest length"):
+        memory_table([1, 16, 17], 16, 1, 1, reserve=16)
 
 
 def test_the_block_table_figure_draws_every_block():

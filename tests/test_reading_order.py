@@ -35,8 +35,9 @@ INTRODUCED = {
     "native": 11,
     **dict.fromkeys(["longest_fitting_length", "growth_exponent", "cost"], 13),
     "heads": 6,
-    **dict.fromkeys(["tiled_attention", "visible_pairs", "tiled"], 14),
-    **dict.fromkeys(["merge_attention", "merge"], 19),
+    **dict.fromkeys(["tiled_attention", "tiled"], 14),
+    "visible_pairs": 15,
+    **dict.fromkeys(["merge_attention", "merge"], 20),
 }
 
 

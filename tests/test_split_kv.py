@@ -56,3 +56,26 @@ def test_the_timing_helpers_time_every_configuration():
     assert set(times) == {(256, 1), (256, 2), (64, 1), (64, 2)}
     assert all(seconds > 0 for seconds in times.values())
     assert set(thread_control(size=32, repeats=1)) == {"one thread", "two threads"}
+
+
+def test_the_reading_of_the_timings_follows_the_control():
+    from attnlib.lab.split_kv import read_control as wrapped
+
+    def read_control(timings, control):  # the reading with its line breaks undone
+        text = wrapped(timings, control)
+        assert all(len(line) <= 80 for line in text.splitlines())
+        return " ".join(text.split())
+
+    timings = {
+        64: {(64, 1): 1.0, (64, 2): 1.1, (16, 1): 2.0, (16, 2): 0.5},
+        256: {(256, 1): 4.0, (256, 2): 4.0, (128, 1): 4.2, (128, 2): 3.0},
+    }
+    busy = read_control(timings, {"one thread": 3.77e-3, "two threads": 4.17e-3})
+    assert "no second core was free" in busy and "noise" in busy and "keys" not in busy
+    for nan in ({"one thread": float("nan"), "two threads": 1.0}, {"one thread": 1.0,
+                "two threads": float("nan")}):  # fmt: skip
+        assert "no second core was free" in read_control(timings, nan)
+    free = read_control(timings, {"one thread": 4.0, "two threads": 2.0})
+    assert "a second core was free" in free
+    assert "64 keys: the best split (chunks of 16, two workers) took 0.50" in free
+    assert "256 keys: the best split (chunks of 128, two workers) took 0.75" in free

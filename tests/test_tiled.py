@@ -169,7 +169,7 @@ def test_equals_causal_attention(
         torch.testing.assert_close(got, expected, rtol=2 * torch.finfo(dtype).eps, atol=1e-5)
 
 
-# The backward pass (eqs. 15.1-15.5): gradients through the tiles.
+# The backward pass (eqs. 16.1-16.5): gradients through the tiles.
 
 
 def _grads(attention, q, k, v, grad_out, dtype):

@@ -1,5 +1,5 @@
-// Tiled attention compiled (chapters 14 and 15): the forward of eqs. 14.1-14.2 and the
-// backward of eqs. 15.1-15.5, each tile kept in one core's cache from its first matmul to its
+// Tiled attention compiled (chapters 15 and 16): the forward of eqs. 14.1-14.2 and the
+// backward of eqs. 16.1-16.5, each tile kept in one core's cache from its first matmul to its
 // last. The matmuls call the BLAS that torch links (sgemm_/dgemm_, passed in by
 // attnlib/native.py) or, where there is none, the plain loops of `gemm`. Scores are in base 2
 // (log2 e folded into the queries). attnlib/tiled.py checks every shape and dtype first.
@@ -58,7 +58,7 @@ static inline F row_step(F* s, int64_t width, F& m, F& l) {
     return factor;
 }
 
-// One tile's softmax steps alone (chapter 14 times them against torch's four passes):
+// One tile's softmax steps alone (chapter 15 times them against torch's four passes):
 // scores [rows, width] in place, m and l [rows] updated, rescale [rows] written.
 template <typename F>
 static void tile_pass(F* scores, F* m, F* l, F* rescale, int64_t rows, int64_t width,
@@ -177,7 +177,7 @@ static void forward(const F* q, const F* k, const F* v, const int64_t* query_pos
                 gemm<F>(blas, false, false, t, Dv, s, scores.data(), s, values + j0 * Dv, Dv,
                         F(1), o.data(), Dv);
             }
-            for (int64_t r = 0; r < t; ++r) {  // o / l; L = (m + log2 l) ln 2 (eq. 15.5)
+            for (int64_t r = 0; r < t; ++r) {  // o / l; L = (m + log2 l) ln 2 (eq. 16.5)
                 const F inverse = l[r] > 0 ? F(1) / l[r] : F(0);
                 F* row = out + (bh * T + i0 + r) * Dv;
                 for (int64_t d = 0; d < Dv; ++d) row[d] = o[r * Dv + d] * inverse;
@@ -189,9 +189,9 @@ static void forward(const F* q, const F* k, const F* v, const int64_t* query_pos
 }
 
 // The backward: per KV head, over its key blocks, the query heads of its group and their
-// query blocks, P = 2^(S - L) from the saved L (15.5, in base 2, +inf for a row that saw no
-// key), dV += P^T dO (15.1), dS = P o (dO V^T - delta) (15.2-15.3), dK += dS^T Q and
-// dQ += dS K (15.4). A worker owns all of one KV head's dK, dV and its group's dQ, so every
+// query blocks, P = 2^(S - L) from the saved L (16.5, in base 2, +inf for a row that saw no
+// key), dV += P^T dO (16.1), dS = P o (dO V^T - delta) (16.2-16.3), dK += dS^T Q and
+// dQ += dS K (16.4). A worker owns all of one KV head's dK, dV and its group's dQ, so every
 // sum is made in one fixed order: the same gradients on every run, whichever thread runs
 // what. dq and dk come out in the scores' scale (attnlib/tiled.py multiplies them back).
 template <typename F>
@@ -238,16 +238,16 @@ static void backward(const F* q, const F* k, const F* v, const F* grad, const F*
                             const F row_lse = lse[bh * T + i0 + r];
                             const F row_delta = delta[bh * T + i0 + r];
                             for (int64_t j = 0; j < s; ++j) {
-                                row[j] = std::exp2(row[j] - row_lse);  // eq. 15.5
-                                d_row[j] = row[j] * (d_row[j] - row_delta);  // eq. 15.3
+                                row[j] = std::exp2(row[j] - row_lse);  // eq. 16.5
+                                d_row[j] = row[j] * (d_row[j] - row_delta);  // eq. 16.3
                             }
                         }
                         gemm<F>(blas, true, false, s, Dv, t, p.data(), s, do_block, Dv, F(1),
-                                dv_block, Dv);  // eq. 15.1
+                                dv_block, Dv);  // eq. 16.1
                         gemm<F>(blas, true, false, s, D, t, ds.data(), s, q_block, D, F(1),
-                                dk_block, D);  // eq. 15.4
+                                dk_block, D);  // eq. 16.4
                         gemm<F>(blas, false, false, t, D, s, ds.data(), s, keys, D, F(1),
-                                dq + (bh * T + i0) * D, D);  // eq. 15.4
+                                dq + (bh * T + i0) * D, D);  // eq. 16.4
                     }
                 }
             }

@@ -1,4 +1,5 @@
-"""Figures of chapter 17: the loss curve, head-score grids and a slider over every head.
+"""Figures of chapter 18: the loss curve, head-score grids, the bracket head's closers and a
+slider over every head. Layers are labelled from 1, heads from 0, as the chapters print them.
 
 The slider pre-renders one small heatmap per head and switches between them in the browser
 (`widgets.slider_views`), so it works on the static page with no kernel.
@@ -34,10 +35,35 @@ def score_grids(scores: dict, titles: dict):
                 colour = "white" if value < 0.6 else "black"
                 ax.text(head, layer, f"{value:.2f}", ha="center", va="center", color=colour)
         ax.set_xticks(range(grid.shape[1]))
-        ax.set_yticks(range(grid.shape[0]))
+        ax.set_yticks(range(grid.shape[0]), labels=range(1, grid.shape[0] + 1))
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def bracket_split(split: dict, edges=(1, 3, 5, 9, 17)):
+    """Closers by how far back their opener is (`lm_heads.bracket_breakdown`): how many, and on
+    how many the head's largest weight lands on the opener and on the nearest bracket."""
+    distance = split["distance"]
+    bins = list(zip(edges, [*edges[1:], int(distance.max()) + 1]))
+    labels = [f"{low}-{high - 1}" if high - 1 > low else f"{low}" for low, high in bins]
+    labels[-1] = f"{bins[-1][0]}+"
+    counts = {"closers": [], "largest weight on its opener": [], "on the nearest bracket": []}
+    for low, high in bins:
+        rows = (distance >= low) & (distance < high)
+        counts["closers"].append(int(rows.sum()))
+        counts["largest weight on its opener"].append(int(split["on_opener"][rows].sum()))
+        counts["on the nearest bracket"].append(int(split["on_nearest"][rows].sum()))
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    width = 0.27
+    for k, (label, values) in enumerate(counts.items()):
+        ax.bar([i + (k - 1) * width for i in range(len(bins))], values, width, label=label)
+    ax.set_xticks(range(len(bins)), labels=labels)
+    ax.set_xlabel("tokens back from the closer to its opener")
+    ax.set_ylabel("closers (count)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -68,8 +94,9 @@ def head_pngs(weights, tokens, titles):
 def head_viewer(weights, tokens, start=0):
     """A slider over every (layer, head): weights is a list over layers of [Hq, T, T]."""
     layers, heads = len(weights), len(weights[0])
-    options = [f"L{layer}H{head}" for layer in range(layers) for head in range(heads)]
-    titles = [f"layer {layer}, head {head}" for layer in range(layers) for head in range(heads)]
+    pairs = [(layer, head) for layer in range(layers) for head in range(heads)]
+    options = [f"L{layer + 1}H{head}" for layer, head in pairs]
+    titles = [f"layer {layer + 1}, head {head}" for layer, head in pairs]
     stacked = [weights[layer][head] for layer in range(layers) for head in range(heads)]
     pngs = dict(zip(options, head_pngs(stacked, tokens, titles)))
     viewer = slider_views("layer, head", options, pngs.__getitem__, start=start)

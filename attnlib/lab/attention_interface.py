@@ -2,7 +2,7 @@
 
 `register()` adds it to transformers' `AttentionInterface` (4.51+ and 5.x), so that any model
 whose config says `_attn_implementation = "attnlib"` runs every layer's attention, forward and
-backward, through `tiled_attention` (eqs. 14.1-14.2, backward 15.1-15.5).
+backward, through `tiled_attention` (eqs. 14.1-14.2, backward 16.1-16.5).
 """
 
 import torch

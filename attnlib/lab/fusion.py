@@ -1,4 +1,4 @@
-"""Chapter 14's fusion measurements: the passes the torch inner makes over one tile of scores,
+"""Chapter 15's fusion measurements: the passes the torch inner makes over one tile of scores,
 against one compiled pass, and the whole forward with each inner (`tiled_attention(...,
 inner="torch" | "cpp")`) against SDPA.
 
@@ -41,6 +41,28 @@ def tile_traffic(rows: int, width: int, dim: int, itemsize: int = 4) -> dict:
     sweeps = sum(reads + writes for _, reads, writes in TORCH_PASSES)
     return {"tile": tile, "torch": (2 + sweeps) * tile, "fused": 2 * width * dim * itemsize,
             "flops": 4 * rows * width * dim}  # fmt: skip
+
+
+def levels_between(caches, kept: int, swept: int) -> list:
+    """The cache levels past which eq. 15.1's byte counts hold: those that hold the compiled
+    forward's tile of `kept` bytes but not the torch inner's tile of `swept` bytes.
+
+    caches: [(level, type, bytes)] as `traffic.cache_sizes()` lists them; data and unified caches
+    only. A cache of exactly `swept` bytes counts as too small, since the tile is not all it holds.
+    """
+    if not 0 < kept < swept:
+        raise ValueError(f"kept ({kept}) must be positive and below swept ({swept})")
+    return [
+        (level, kind, size)
+        for level, kind, size in caches
+        if kind.lower() in ("data", "unified") and kept < size <= swept
+    ]
+
+
+def tile_gain(seconds: dict) -> float:
+    """The torch inner's four sweeps' time over the compiled pass's, on one tile (the gain of
+    fusing the softmax steps), from `tile_step_seconds`' medians or a report's "tile" entry."""
+    return sum(seconds[name] for name, _, _ in TORCH_PASSES) / seconds["fused"]
 
 
 def _fused_step(kernel, scores, m, ell):

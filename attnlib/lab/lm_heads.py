@@ -1,12 +1,14 @@
-"""What the heads of the small language model do: weights, head scores, ablation, generation.
+"""What the heads of the small language model do: weights, head scores, ablation, generation,
+and chapter 19's circuit readings applied to it (composition scores, patching one input).
 
 Scores take attention weights [B, H, T, T] (queries as rows) for one layer, or a list over
-layers, and return one number per head. Ablation zeroes one head's output before W_O.
+layers, and return one number per head. Ablation zeroes one head's output before W_O. Layers
+and heads are numbered from 0 in code; the chapters print layers from 1.
 """
 
 import contextlib
 import math
-from typing import List
+from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from attnlib import KVCache, causal_attention, merge_heads
 from attnlib.rope import apply_rope, rope_cos_sin
 
 from . import attention_interface
+from .circuits import composition_score
 from .hf_compat import rope_theta
 from .qwen3 import rms_norm
 
@@ -229,7 +232,7 @@ def byte_baselines(counts: torch.Tensor, text: str):
 
 
 def uniform_scores(tokenizer, ids: torch.Tensor) -> dict:
-    """The scores of eq. 17.2 for a head that spreads its weight evenly over keys 0..i."""
+    """The scores of eq. 18.2 for a head that spreads its weight evenly over keys 0..i."""
     tokens = ids.shape[1]
     weights = torch.ones(tokens, tokens).tril()
     weights = (weights / weights.sum(-1, keepdim=True)).expand(len(ids), 1, tokens, tokens)
@@ -242,26 +245,172 @@ def uniform_scores(tokenizer, ids: torch.Tensor) -> dict:
     }
 
 
-def closing_targets(tokenizer, ids: torch.Tensor) -> torch.Tensor:
-    """[B, T-1] True where the next token (the one predicted) is a single closing bracket."""
+def _closer_ids(tokenizer) -> torch.Tensor:
+    """[V] True for the tokens that are a single closing bracket (a space before it allowed)."""
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    closer = torch.tensor([token.strip("Ġ") in OPENERS for token in tokens])
-    return closer[ids[:, 1:]]
+    return torch.tensor([token.strip("Ġ") in OPENERS for token in tokens])
+
+
+def closing_targets(tokenizer, ids: torch.Tensor) -> torch.Tensor:
+    """[B, T-1] True where the next token (the one predicted) is a single closing bracket: the
+    query is the token before the closer."""
+    return _closer_ids(tokenizer)[ids[:, 1:]]
+
+
+def closer_queries(tokenizer, ids: torch.Tensor) -> torch.Tensor:
+    """[B, T-1] True where the query itself (position i, predicting token i + 1) is a single
+    closing bracket: the queries of eq. 18.2's bracket score."""
+    return _closer_ids(tokenizer)[ids[:, :-1]]
+
+
+def bracket_breakdown(weights: torch.Tensor, tokens_per_row) -> dict:
+    """One head's weights [B, T, T] and each row's tokens -> one entry per pair of eq. 18.2's
+    bracket score (`bracket_pairs`), each a tensor [N]: `distance` from the closer back to its
+    opener; `nested`, True when another token holding an opening bracket lies between them;
+    `on_opener`, True when the closer's largest weight is on its opener; `on_nearest`, True
+    when it is on the nearest earlier token that holds any bracket, opening or closing."""
+    found = {name: [] for name in ("distance", "nested", "on_opener", "on_nearest")}
+    for row, tokens in enumerate(tokens_per_row):
+        holds = [any(char in "([{" for char in token) for token in tokens]
+        brackets = [any(char in "([{)]}" for char in token) for token in tokens]
+        for query, key in bracket_pairs(tokens):
+            best = int(weights[row, query].argmax())
+            nearest = max(j for j in range(query) if brackets[j])
+            found["distance"].append(query - key)
+            found["nested"].append(any(holds[key + 1 : query]))
+            found["on_opener"].append(best == key)
+            found["on_nearest"].append(best == nearest)
+    return {name: torch.tensor(values) for name, values in found.items()}
 
 
 @torch.no_grad()
-def ablation(model, layer: int, head: int, ordinary, closers, repeated, half: int, base=None):
-    """Loss increase (nats/token) when one head is zeroed: on ordinary held-out tokens ("other"),
-    on the closing brackets among them ("closers"), and on the two copies of repeated tokens."""
+def ablation(model, layer: int, head: int, ordinary, groups: dict, repeated, half: int, base=None):
+    """Loss increase (nats/token) when one head is zeroed: on each group of ordinary held-out
+    predictions (`groups`: name -> [B, T-1] bool), on the predictions in none of them
+    ("other"), and on the two copies of repeated tokens ("copy 1", "copy 2")."""
     if base is None:  # the intact model's losses on (ordinary, repeated)
         base = per_token_loss(model, ordinary), per_token_loss(model, repeated)
     base, base_rep = base
     with ablated(model, layer, head):
         cut, cut_rep = per_token_loss(model, ordinary), per_token_loss(model, repeated)
     change, change_rep = cut - base, cut_rep - base_rep
+    rest = ~torch.stack(list(groups.values())).any(0)  # [B, T-1]
     return {
-        "other": float(change[~closers].mean()),
-        "closers": float(change[closers].mean()),
+        "other": float(change[rest].mean()),
+        **{name: float(change[mask].mean()) for name, mask in groups.items()},
         "copy 1": float(change_rep[:, : half - 1].mean()),
         "copy 2": float(change_rep[:, half:].mean()),
     }
+
+
+# ---------------------------------------------------------------- chapter 19's readings
+
+
+def head_circuits(model, layer: int, head: int):
+    """Eq. 19.1 for query head `head` of a Qwen3 layer: (W_QK, W_OV), each [d_model, d_model],
+    vectors as columns. The RMSNorm gains (input, q_norm, k_norm) are folded in; RoPE's
+    rotation and the norms' division by the root mean square are left out."""
+    block = model.model.layers[layer]
+    attention, gain = block.self_attn, block.input_layernorm.weight.detach()
+    dim = model.config.head_dim
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    kv = head // group  # GQA: query head h reads key-value head h // group
+    rows, kv_rows = slice(head * dim, (head + 1) * dim), slice(kv * dim, (kv + 1) * dim)
+    w_q = attention.q_proj.weight.detach()[rows] * gain  # [D, d_model]
+    w_k = attention.k_proj.weight.detach()[kv_rows] * gain
+    w_v = attention.v_proj.weight.detach()[kv_rows] * gain
+    w_o = attention.o_proj.weight.detach()[:, rows]  # [d_model, D]
+    norms = attention.q_norm.weight.detach() * attention.k_norm.weight.detach()  # [D]
+    return w_q.T @ (norms[:, None] * w_k), w_o @ w_v
+
+
+def composition(model, source, layer: int) -> Dict[str, torch.Tensor]:
+    """Eq. 19.5 from head `source` = (layer, head) into every query head of `layer`:
+    {"K": [Hq], "Q": [Hq], "V": [Hq]}, with `head_circuits`' matrices."""
+    writes = head_circuits(model, *source)[1]
+    heads = model.config.num_attention_heads
+    tables = {name: torch.zeros(heads, dtype=torch.float64) for name in "KQV"}
+    for head in range(heads):
+        qk, ov = head_circuits(model, layer, head)
+        tables["K"][head] = composition_score(qk, writes)
+        tables["Q"][head] = composition_score(qk.T, writes)
+        tables["V"][head] = composition_score(ov, writes)
+    return tables
+
+
+@torch.no_grad()
+def head_write(model, ids: torch.Tensor, layer: int, head: int) -> torch.Tensor:
+    """What one query head adds to the residual stream on ids [B, T]: [B, T, d_model]."""
+    dim, seen = model.config.head_dim, {}
+    o_proj = model.model.layers[layer].self_attn.o_proj
+    columns = slice(head * dim, (head + 1) * dim)
+
+    def keep(module, args):
+        seen["y"] = args[0][..., columns]  # [B, T, D]: the head's output before W_O
+
+    handle = o_proj.register_forward_pre_hook(keep)
+    try:
+        model(input_ids=ids)
+    finally:
+        handle.remove()
+    return seen["y"] @ o_proj.weight[:, columns].T
+
+
+INPUTS = {"query": "q_proj", "key": "k_proj", "value": "v_proj"}
+
+
+@torch.no_grad()
+def patched_loss(model, ids, source, replacement, reader: int, inputs=()) -> torch.Tensor:
+    """Per-token loss [B, T-1] with the write of head `source` = (layer, head) replaced by
+    `replacement` [B or 1, T, d_model] in the named inputs ("query", "key", "value") of layer
+    `reader` only; the rest of the model, that layer's other inputs included, reads the real
+    write. With no inputs named it is `per_token_loss`."""
+    if reader <= source[0]:
+        raise ValueError(
+            f"reader layer {reader} must come after the head's layer {source[0]}: a layer reads "
+            "only what the layers below it wrote"
+        )
+    unknown = set(inputs) - set(INPUTS)
+    if unknown:
+        raise ValueError(f"inputs must be among {sorted(INPUTS)}, got {sorted(unknown)}")
+    delta = replacement - head_write(model, ids, *source)  # [B, T, d_model]
+    block, seen = model.model.layers[reader], {}
+    norm = block.input_layernorm
+
+    def keep(module, args):
+        seen["x"] = args[0]  # the residual stream that the layer reads
+
+    def swap(module, args):
+        return (rms_norm(seen["x"] + delta, norm.weight, norm.variance_epsilon),)
+
+    handles = [norm.register_forward_pre_hook(keep)]
+    for name in inputs:
+        projection = getattr(block.self_attn, INPUTS[name])
+        handles.append(projection.register_forward_pre_hook(swap))
+    try:
+        return per_token_loss(model, ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def patching_table(model, repeated, half: int, source, reader: int) -> Dict[str, tuple]:
+    """(loss on copy 1, loss on copy 2) of repeated tokens [B, 2 half] with the write of head
+    `source` replaced in one input of layer `reader`: by its mean over the batch (per position)
+    or by its write on another row (the batch rolled by one); plus no patch, and the head
+    zeroed everywhere (`ablated`)."""
+
+    def copies(loss):  # [B, 2 half - 1] -> the two copies' mean losses
+        return float(loss[:, : half - 1].mean()), float(loss[:, half:].mean())
+
+    write = head_write(model, repeated, *source)
+    replacements = {"mean": write.mean(0, keepdim=True), "shuffled": write.roll(1, 0)}
+    table = {"none": copies(per_token_loss(model, repeated))}
+    for name in INPUTS:
+        for label, replacement in replacements.items():
+            loss = patched_loss(model, repeated, source, replacement, reader, (name,))
+            table[f"{name} only, {label}"] = copies(loss)
+    with ablated(model, *source):
+        table["whole head, zero"] = copies(per_token_loss(model, repeated))
+    return table

@@ -157,17 +157,22 @@ class PagedKVCache:
         return 2 * self.keys[0].numel() * self.keys.element_size()
 
 
-def memory_table(lengths, block_size, kv_heads, head_dim, bytes_per_number=4) -> dict:
-    """Bytes held for sequences of these lengths: paged against preallocated to the longest.
+def memory_table(lengths, block_size, kv_heads, head_dim, bytes_per_number=4, reserve=None) -> dict:
+    """Bytes held for sequences of these lengths: paged against contiguous (eq. 20.2).
 
-    Returns tokens stored, blocks, paged bytes, contiguous bytes (B x max length) and the share
-    of each that holds tokens. A contiguous cache reserves max(lengths) slots per sequence.
+    Returns tokens stored, blocks, paged bytes, contiguous bytes (B x reserve) and the share
+    of each that holds tokens. A contiguous cache reserves `reserve` slots per sequence: by
+    default max(lengths), the longest length that occurred, which flatters it (a server
+    reserves the longest it allows, since it cannot know where a sequence stops).
     """
+    reserve = max(lengths) if reserve is None else reserve
+    if reserve < max(lengths):
+        raise ValueError(f"reserve ({reserve}) is below the longest length ({max(lengths)})")
     per_token = 2 * kv_heads * head_dim * bytes_per_number  # a key and a value
     tokens = sum(lengths)
     blocks = sum(_blocks_needed(n, block_size) for n in lengths)
     paged = blocks * block_size * per_token
-    contiguous = len(lengths) * max(lengths) * per_token
+    contiguous = len(lengths) * reserve * per_token
     return {
         "tokens": tokens,
         "blocks": blocks,

@@ -3,10 +3,12 @@
 Process r keeps its queries and passes its keys and values around a ring: at step s it holds
 the K/V shard of process (r - s) mod P, attends to it with `tiled_attention(...,
 return_lse=True)` and folds the partial into its running answer with `merge_attention`
-(eq. 19.1), while the next shard is already on its way (`batch_isend_irecv`). After P steps
-every query has seen every key. The workers live here, importable, so that
-`torch.multiprocessing` can spawn them from a notebook; every run stops its processes, also
-when one fails or the run outlasts its timeout.
+(eq. 20.1), while the next shard is already on its way (`batch_isend_irecv`). After P steps
+every query has seen every key. Each process counts the tiles it computes with a counter of
+the matrix products torch runs (`TileCounter`); `schedule` enumerates the visible pairs
+instead, one by one, so the two counts are independent. The workers live here, importable,
+so that `torch.multiprocessing` can start them from a notebook; every run stops its
+processes, also when one fails or the run outlasts its timeout.
 """
 
 import logging
@@ -16,59 +18,82 @@ import socket
 import tempfile
 import time
 from datetime import timedelta
+from functools import partial
 from typing import List, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnlib import merge_attention, tiled_attention
 
-ORDERS = ("contiguous", "zigzag")
+ORDERS = ("contiguous", "zigzag", "striped")
 SPAWN_LOG = logging.getLogger("torch.multiprocessing.spawn")
+_PRODUCTS = {torch.ops.aten.bmm, torch.ops.aten.mm, torch.ops.aten.baddbmm, torch.ops.aten.addmm}
 
 
 def shard_runs(order: str, rank: int, world: int, length: int) -> list:
-    """The runs [(start, stop), ...] of positions process `rank` holds.
+    """The runs [(start, stop), ...] of positions process `rank` holds, in the order it holds them.
 
     contiguous: one run of length / P. zigzag: chunk r and chunk 2P-1-r of 2P equal chunks,
-    so each process holds one early and one late piece of the sequence.
+    so each process holds one early and one late piece of the sequence. striped: every P-th
+    position from r on, runs of one position.
     """
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    pieces = world if order == "contiguous" else 2 * world
+    pieces = {"contiguous": world, "zigzag": 2 * world, "striped": world}[order]
     if length % pieces:
         raise ValueError(f"{order} shards need the length ({length}) divisible by {pieces}")
+    if order == "striped":
+        return [(p, p + 1) for p in range(rank, length, world)]
     size = length // pieces
     chunks = [rank] if order == "contiguous" else [rank, 2 * world - 1 - rank]
     return [(c * size, (c + 1) * size) for c in chunks]
 
 
 def shard_positions(order: str, rank: int, world: int, length: int) -> torch.Tensor:
-    """The positions process `rank` holds, as a long tensor [length / P]."""
+    """The positions process `rank` holds, in its order, as a long tensor [length / P]."""
     runs = shard_runs(order, rank, world, length)
     return torch.cat([torch.arange(start, stop) for start, stop in runs])
 
 
-def _tiles(runs, tile):
-    return [(a, min(a + tile, stop)) for start, stop in runs for a in range(start, stop, tile)]
+def _cut(positions, tile: int) -> list:
+    positions = [int(p) for p in positions]
+    return [positions[i : i + tile] for i in range(0, len(positions), tile)]
 
 
-def tiles_computed(query_runs, key_runs, tile: int, causal: bool = True) -> int:
-    """Tiles of tile x tile (query, key) positions holding a visible pair (eq. 20.2)."""
-    query_tiles, key_tiles = _tiles(query_runs, tile), _tiles(key_runs, tile)
+def tiles_computed(query_positions, key_positions, tile: int, causal: bool = True) -> int:
+    """Tiles of tile x tile (query, key) pairs, cut in the order a process holds its positions,
+    that hold at least one visible pair (eq. 7.1), found pair by pair with no tensors.
+
+    For contiguous shards of n tiles this is eq. 21.2: r n^2 + n(n + 1)/2 over a whole ring.
+    """
+    query_tiles, key_tiles = _cut(query_positions, tile), _cut(key_positions, tile)
     if not causal:
         return len(query_tiles) * len(key_tiles)
-    return sum(1 for _, q_stop in query_tiles for k_start, _ in key_tiles if k_start < q_stop)
+    return sum(
+        1
+        for queries in query_tiles
+        for keys in key_tiles
+        if any(key <= query for query in queries for key in keys)
+    )
+
+
+def pairs_visible(query_positions, key_positions) -> int:
+    """(query, key) pairs that the positions rule (eq. 7.1) shows, counted one by one."""
+    keys = [int(k) for k in key_positions]
+    return sum(1 for query in query_positions for key in keys if key <= int(query))
 
 
 def schedule(world: int, length: int, order: str, tile: int, causal: bool = True) -> list:
-    """For each step, for each process: (the shard it holds, the tiles it computes then)."""
-    runs = [shard_runs(order, r, world, length) for r in range(world)]
+    """For each step, for each process: (the shard it holds, its tiles with a pair that eq. 7.1
+    shows), found pair by pair; summed over the steps, eq. 21.2 for contiguous shards."""
+    held = [shard_positions(order, r, world, length) for r in range(world)]
     return [
         [
-            ((r - step) % world, tiles_computed(runs[r], runs[(r - step) % world], tile, causal))
+            ((r - step) % world, tiles_computed(held[r], held[(r - step) % world], tile, causal))
             for r in range(world)
         ]
         for step in range(world)
@@ -76,49 +101,70 @@ def schedule(world: int, length: int, order: str, tile: int, causal: bool = True
 
 
 def bytes_sent_formula(world, batch, kv_heads, length, head_dim, value_dim, element_size=4):
-    """Bytes one process sends: P-1 shards of K and V, each [B, Hkv, T/P, D] (eq. 20.3)."""
+    """Bytes one process sends: P-1 shards of K and V, each [B, Hkv, T/P, D] (eq. 21.3)."""
     return (
         (world - 1) * batch * kv_heads * (length // world) * (head_dim + value_dim) * element_size
     )
 
 
-def _ring_job(rank, world, job, device):
-    """One process's ring (eq. 20.1): its queries stay, K/V shards pass by."""
-    q_mine, k_mine, v_mine = (job[name].to(device) for name in "qkv")  # shards
-    order, causal = job["order"], job["causal"]
-    tile, length = job["tile"], job["length"]
-    mine = shard_positions(order, rank, world, length).to(device)
-    kv = torch.cat([k_mine, v_mine], dim=-1)  # K and V as one message
-    dim = k_mine.shape[-1]
-    # Non-causal: every query "sits" at the last position and sees every key.
-    query_positions = mine if causal else torch.full_like(mine, length - 1)
-    out = lse = None
-    tiles = sent = 0
+class TileCounter(TorchDispatchMode):
+    """Counts the matrix products torch runs inside `with TileCounter() as counter:`.
+
+    Each tile `tiled_attention` computes is two of them, its scores and its weighted sum of
+    the values (eqs. 14.1-14.2), so `counter.tiles` is the tiles computed; a skipped tile
+    runs none.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.products = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in _PRODUCTS:
+            self.products += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def tiles(self) -> int:
+        return self.products // 2
+
+
+def ring_loop(rank, world, q, kv, queries_at, keys_at, tile):
+    """Eq. 21.1 for process `rank`: q [B, Hq, n, D] stays; kv [B, Hkv, n, D+Dv]
+    moves; keys_at[s]: shard s's positions. -> out, lse, tiles a step, bytes"""
+    attend = partial(tiled_attention, block_size=tile, return_lse=True)
+    dim, out, lse, tiles, sent = q.shape[-1], None, None, [], 0
     for step in range(world):
-        requests = []
-        if step < world - 1:  # pass the shard on while computing with it
+        last = step == world - 1
+        if not last:  # post the send and the receive together; both return now
             incoming = torch.empty_like(kv)
-            requests = dist.batch_isend_irecv([
-                dist.P2POp(dist.isend, kv, (rank + 1) % world),
-                dist.P2POp(dist.irecv, incoming, (rank - 1) % world),
-            ])  # fmt: skip
+            send = dist.P2POp(dist.isend, kv, (rank + 1) % world)
+            receive = dist.P2POp(dist.irecv, incoming, (rank - 1) % world)
+            requests = dist.batch_isend_irecv([send, receive])
             sent += kv.numel() * kv.element_size()
-        source = (rank - step) % world
-        theirs = shard_positions(order, source, world, length).to(device)
-        count = tiles_computed(
-            shard_runs(order, rank, world, length),
-            shard_runs(order, source, world, length), tile, causal,
-        )  # fmt: skip
-        if count:  # zero: the shard is wholly in these queries' future
-            part = tiled_attention(
-                q_mine, kv[..., :dim], kv[..., dim:], query_positions, theirs,
-                block_size=tile, return_lse=True,
-            )  # fmt: skip
-            out, lse = part if lse is None else merge_attention(out, lse, *part)
-            tiles += count
-        for request in requests:
-            request.wait()
-        kv = incoming if requests else kv
+        k, v = kv[..., :dim], kv[..., dim:]
+        keys = keys_at[(rank - step) % world]  # the positions of this shard
+        with TileCounter() as counter:  # counts the tiles computed, not skipped
+            part = attend(q, k, v, queries_at, keys)  # (out, lse) of this shard
+        tiles.append(counter.tiles)
+        out, lse = part if out is None else merge_attention(out, lse, *part)
+        if not last:
+            for request in requests:
+                request.wait()  # returns once this transfer is complete
+            kv = incoming  # the left neighbour's shard, for the next step
+    return out, lse, tiles, sent
+
+
+def _ring_job(rank, world, job, device):
+    """One process's part of a job: its shard of q, k, v through `ring_loop`."""
+    q, k, v = (job[name].to(device) for name in "qkv")  # this process's shards
+    order, length = job["order"], job["length"]
+    keys_at = [shard_positions(order, s, world, length).to(device) for s in range(world)]
+    mine = keys_at[rank]
+    # Non-causal: every query "sits" at the last position and sees every key.
+    queries_at = mine if job["causal"] else torch.full_like(mine, length - 1)
+    kv = torch.cat([k, v], dim=-1)  # K and V as one message
+    out, _, tiles, sent = ring_loop(rank, world, q, kv, queries_at, keys_at, job["tile"])
     return dict(out=out.cpu(), positions=mine.cpu(), tiles=tiles, sent=sent)
 
 
@@ -174,7 +220,8 @@ def free_port() -> int:
 
 class RingResult(NamedTuple):
     out: torch.Tensor  # [B, Hq, T, Dv], in sequence order
-    tiles: List[int]  # tiles computed, per process
+    tiles: List[int]  # tiles computed, per process, counted by the process (TileCounter)
+    tiles_per_step: List[List[int]]  # [process][step], the same count step by step
     bytes_sent: List[int]  # bytes of K and V each process sent
     seconds: float  # wall clock of the whole run, process start-up included
 
@@ -233,16 +280,16 @@ def _collect(job, parts, seconds) -> RingResult:
     out = torch.empty(job["q"].shape[:3] + job["v"].shape[3:], dtype=job["q"].dtype)
     for part in parts:
         out[:, :, part["positions"]] = part["out"].to(out.dtype)
-    tiles, sent = [part["tiles"] for part in parts], [part["sent"] for part in parts]
-    return RingResult(out, tiles, sent, seconds)
+    per_step, sent = [part["tiles"] for part in parts], [part["sent"] for part in parts]
+    return RingResult(out, [sum(steps) for steps in per_step], per_step, sent, seconds)
 
 
 def ring_attention(q, k, v, world, order="contiguous", causal=True, tile=16, **options):
     """Attention of q [B, Hq, T, D] to k, v [B, Hkv, T, D] on a ring of `world` processes.
 
     Equals `causal_attention(q, k, v)` (or with causal=False) to float tolerance; `options`
-    go to `ring_runs`: backend ("gloo", or "nccl" with one GPU per process), timeout,
-    fail_rank, start_method. Returns a RingResult.
+    go to `ring_runs`: backend ("gloo"; "nccl", one GPU per process, is written but has not
+    been run on GPUs), timeout, fail_rank, start_method. Returns a RingResult.
     """
     job = {"q": q, "k": k, "v": v, "order": order, "causal": causal, "tile": tile}
     return ring_runs([job], world, **options)[0]

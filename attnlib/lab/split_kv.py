@@ -1,10 +1,11 @@
 """Split-KV decoding (flash-decoding): the cache cut into chunks, each attended alone, merged.
 
-Each chunk gives a partial output and its log-sum-exp L (`tiled_attention(..., return_lse=True)`);
-`merge_attention` (eq. 19.1) folds the partials into the exact answer. The chunks are
+Each chunk gives a partial output and its log-sum-exp lse (`tiled_attention(..., return_lse=True)`);
+`merge_attention` (eq. 20.1) folds the partials into the exact answer. The chunks are
 independent, so they can run at once: here on threads, each running one torch thread.
 """
 
+import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -27,7 +28,7 @@ def _positions(positions, batch, length, start, device):
 
 
 def chunk_partials(q, k, v, chunk, query_positions=None, key_positions=None, scale=None, pool=None):
-    """One (out [B, Hq, T, Dv], L [B, Hq, T]) partial per chunk of keys of k [B, Hkv, S, D].
+    """One (out [B, Hq, T, Dv], lse [B, Hq, T]) partial per chunk of keys of k [B, Hkv, S, D].
 
     Positions as in `causal_attention` (default: the queries are the last T of the S keys).
     `pool`: a `concurrent.futures` executor to run the chunks on, or None (one after another).
@@ -54,7 +55,7 @@ def chunk_partials(q, k, v, chunk, query_positions=None, key_positions=None, sca
 
 
 def merge_all(partials):
-    """Fold a list of (out, L) partials with eq. 19.1, left to right; returns (out, L)."""
+    """Fold a list of (out, lse) partials with eq. 20.1, left to right; returns (out, lse)."""
     if not partials:
         raise ValueError("no partials to merge")
     out, lse = partials[0]
@@ -66,7 +67,7 @@ def merge_all(partials):
 def split_kv_attention(
     q, k, v, chunk, query_positions=None, key_positions=None, scale=None, workers=1
 ):
-    """`causal_attention` computed chunk by chunk over the keys and merged (eq. 19.1).
+    """`causal_attention` computed chunk by chunk over the keys and merged (eq. 20.1).
 
     q [B, Hq, T, D] (a decode step has T = 1), k [B, Hkv, S, D], v [B, Hkv, S, Dv]
     -> [B, Hq, T, Dv] in q's dtype. workers > 1 runs the chunks on that many threads.
@@ -121,3 +122,32 @@ def thread_control(size=512, repeats=5) -> dict:
             },
             repeats,
         )
+
+
+def read_control(timings, control, free_core=1.3) -> str:
+    """What this run's timings can say, read from the control (`thread_control`).
+
+    timings: {keys: `decode_timings` result}. Two threads must run the control's matmuls at
+    least `free_core` times faster than one before a second core counts as free; otherwise
+    the one- and two-worker times differ by noise alone and the reading says so. With a free
+    core it reports, per cache length, the best split's time over the unsplit one-thread time.
+    """
+    one, two = control["one thread"], control["two threads"]
+    speedup = one / two
+    head = f"control: {one * 1e3:.2f} ms on one thread, {two * 1e3:.2f} ms on two, {speedup:.2f}x"
+    if not speedup >= free_core:  # also true for a NaN
+        lines = [
+            f"{head}: no second core was free, so the one- and two-worker times differ by "
+            "noise alone and say nothing about splitting across cores."
+        ]
+    else:
+        lines = [f"{head}: a second core was free."]
+        for keys, times in timings.items():
+            unsplit = times[(keys, 1)]
+            split = {c: s for (c, w), s in times.items() if c < keys and w > 1}
+            chunk = min(split, key=split.get)
+            lines.append(
+                f"{keys} keys: the best split (chunks of {chunk}, two workers) took "
+                f"{split[chunk] / unsplit:.2f} of the unsplit call's time."
+            )
+    return "\n".join(textwrap.fill(line, 78, subsequent_indent="  ") for line in lines)

@@ -1,57 +1,54 @@
-"""Chapter 16, induction heads: the induction score of eq. 16.2."""
+"""Chapter 16, the backward pass: the gradients of causal attention without autograd."""
 
 import math
 
 import torch
 
+from ...attention import causal_attention
 from ...softmax import softmax
-from .cases import randn, tril
+from .cases import f64, randn, tril
 from .core import Bug, Case, Exercise, Section
 
-CHAPTER = "16_induction_heads"
-CLAIMS = Section(CHAPTER, "16.6", "Claims 2 and 3: a previous-token head and an induction head")
+CHAPTER = "16_backward"
 
 BUGS = {
-    "induction_same_token": Bug(
-        "This is the weight on the earlier occurrence of the query's own token (key i - o): a "
-        "duplicate-token score. An induction head looks one further, at key i - o + 1.",
-        CLAIMS,
-    ),
-    "induction_over_all_queries": Bug(
-        "The mean ran over every query from position o - 1 on; the queries of eq. 16.2 are those "
-        "whose next token is a copy, i from o to T - 2.",
-        CLAIMS,
+    "backward_without_delta": Bug(
+        "dZ = P * (dP - delta) needs the row-sum term delta_i = dO_i . O_i; without it dq and dk "
+        "are wrong (dv is right).",
+        Section(CHAPTER, "16.1", "The backward pass, derived"),
     ),
 }
 
 
-def _induction(weights, offset, first=None, back=None):
-    """The mean over queries i = first .. T-2 of weights[:, i, i - back] (eq. 16.2's defaults)."""
-    first, back = offset if first is None else first, offset - 1 if back is None else back
-    i = torch.arange(first, weights.shape[-1] - 1)
-    return weights.double()[:, i, i - back].mean(-1)
+def _reference(q, k, v, dout):
+    q, k, v, dout = (x.double().requires_grad_() for x in (q, k, v, dout))
+    with torch.enable_grad():
+        return torch.autograd.grad(causal_attention(q, k, v), (q, k, v), dout)
+
+
+def _without_delta(q, k, v, dout):
+    q, k, v, dout = f64(q, k, v, dout)
+    scale, t = 1 / math.sqrt(q.shape[-1]), q.shape[2]
+    p = softmax((q @ k.transpose(-2, -1) * scale).masked_fill(~tril(t, t), -math.inf))
+    ds = p * (dout @ v.transpose(-2, -1))  # the bug: no "- delta"
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
 
 
 def _cases():
-    gen, cases = torch.Generator().manual_seed(18), []
-    for h, t, offset in [(2, 10, 4), (3, 16, 8), (1, 7, 3), (4, 12, 5)]:
-        scores = 2 * randn(gen, h, t, t)
-        weights = softmax(scores.masked_fill(~tril(t, t), -math.inf))  # [H, T, T], causal
-        cases.append(Case((weights, offset), f"H={h}, T={t}, offset={offset}"))
+    gen, cases = torch.Generator().manual_seed(8), []
+    for b, h, t, d in [(2, 2, 5, 8), (1, 3, 4, 4), (1, 1, 6, 16)]:
+        args = tuple(randn(gen, b, h, t, d) for _ in range(4))
+        cases.append(Case(args, f"B={b}, H={h}, T={t}, D={d}"))
     return cases
 
 
 EXERCISES = {
-    "induction_score": Exercise(
-        "fn(weights, offset) -> scores; weights [H, T, T], offset o -> [H]",
-        "Tokens o.. T-1 repeat tokens 0.. T-1-o. Each head's induction score, eq. 16.2: its mean "
-        "weight on key i - o + 1 over the queries i = o .. T-2.",
+    "attention_backward": Exercise(
+        "fn(q, k, v, dout) -> (dq, dk, dv); all [B, H, T, D]",
+        "The gradients of causal attention (scale 1/sqrt(D)) given dout, without autograd.",
         _cases,
-        _induction,
-        ("scores [H]",),
-        {
-            "induction_same_token": lambda w, offset: _induction(w, offset, back=offset),
-            "induction_over_all_queries": lambda w, offset: _induction(w, offset, first=offset - 1),
-        },
+        _reference,
+        ("dq [B, H, T, D]", "dk [B, H, T, D]", "dv [B, H, T, D]"),
+        {"backward_without_delta": _without_delta},
     ),
 }
