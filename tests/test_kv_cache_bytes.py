@@ -1,6 +1,7 @@
 """The KV-cache formulas of chapter 10 against what PyTorch measures.
 
-Eq. 10.1 against the allocator's count for a real attnlib.KVCache filled for every layer;
+Eq. 10.1 against the allocator's count of what real caches keep: attnlib.KVCache filled by a
+real MultiHeadAttention layer, and transformers' DynamicCache filled by a real Qwen3 layer;
 eq. 10.2 against torch's own FLOP counter running a real decoding step.
 """
 
@@ -8,44 +9,90 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from attnlib import KVCache, causal_attention
+from attnlib import KVCache, MultiHeadAttention, causal_attention
 from attnlib.cost import attention_flops
 from attnlib.lab.decode import kv_cache_bytes, kv_intensity, step_bytes, step_intensity
-from attnlib.lab.memory import peak_allocated_bytes
+from attnlib.lab.memory import held_allocated_bytes
 
 LAYERS, HEAD_DIM = 28, 128  # Qwen3-0.6B
 
 
+def _decoding_layer(q_heads, kv_heads, dtype, layers=LAYERS, d_in=32):
+    """A real MultiHeadAttention of head size HEAD_DIM and one KVCache per layer: the caches are
+    filled by attnlib's own code, not by tensors shaped here to match the formula."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(d_in, q_heads * HEAD_DIM, q_heads=q_heads, kv_heads=kv_heads)
+    layer = layer.to(dtype)
+    caches = [KVCache() for _ in range(layers)]
+
+    def run(x):  # x [B, T, d_in] in `dtype`: every layer's cache takes its keys and values
+        with torch.no_grad():
+            for cache in caches:
+                layer(x, cache)
+
+    return run, caches
+
+
 @pytest.mark.parametrize(
-    "kv_heads,dtype,batch,tokens",
-    [(8, torch.bfloat16, 1, 64), (1, torch.bfloat16, 2, 48), (16, torch.float32, 1, 33)],
+    "q_heads,kv_heads,dtype,batch,prompt",
+    [(16, 8, torch.bfloat16, 1, 24), (4, 1, torch.bfloat16, 2, 16), (2, 2, torch.float32, 1, 9)],
     ids=["qwen3-gqa", "mqa-batch", "mha-float32"],
 )
-def test_kv_cache_bytes_equal_the_allocators_count_for_a_real_cache(kv_heads, dtype, batch, tokens):
-    positions = torch.arange(tokens)  # one [S] shared by every layer, allocated before
-    caches = []
+def test_the_allocator_counts_eq_10_1_in_caches_a_real_layer_filled(
+    q_heads, kv_heads, dtype, batch, prompt
+):
+    run, caches = _decoding_layer(q_heads, kv_heads, dtype, layers=4)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, prompt + 1, 32, generator=gen).to(dtype)
+    after_prompt = held_allocated_bytes(lambda: run(x[:, :prompt]))
+    after_step = after_prompt + held_allocated_bytes(lambda: run(x[:, prompt:]))
+    positions = 8 * 4  # int64 positions [S] in each of the 4 caches, per token
+    tokens = prompt + 1
+    assert all(len(cache) == tokens for cache in caches)
+    assert after_step == kv_cache_bytes(tokens, 4, kv_heads, HEAD_DIM, dtype, batch) + (
+        positions * tokens
+    )
+    # After the prompt the cache holds views of the fused projection [B, T, (Hq + 2Hkv) Dh]:
+    # the whole of it stays alive, queries included, until the first step copies K and V out.
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    projection = 4 * batch * prompt * (q_heads + 2 * kv_heads) * HEAD_DIM * itemsize
+    assert after_prompt == projection + positions * prompt
+    assert after_prompt > kv_cache_bytes(prompt, 4, kv_heads, HEAD_DIM, dtype, batch)
 
-    def fill():
-        for _ in range(LAYERS):
-            shape = (batch, kv_heads, tokens, HEAD_DIM)  # [B, Hkv, S, Dh]
-            cache = KVCache()
-            cache.append(torch.zeros(shape, dtype=dtype), torch.ones(shape, dtype=dtype), positions)
-            caches.append(cache)
 
-    measured = peak_allocated_bytes(fill)
-    assert len(caches) == LAYERS and len(caches[-1]) == tokens
-    assert measured == kv_cache_bytes(tokens, LAYERS, kv_heads, HEAD_DIM, dtype, batch)
+def test_each_later_decoding_step_adds_one_token_of_eq_10_1():
+    run, caches = _decoding_layer(16, 8, torch.bfloat16, layers=LAYERS)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 13, 32, generator=gen).bfloat16()  # [B, T, d_in]
+    # A prompt, then one step: from here on the caches are K and V alone. Measured as well,
+    # since the allocator reports the size of a free only for memory allocated while measuring.
+    held_allocated_bytes(lambda: run(x[:, :10]))
+    held_allocated_bytes(lambda: run(x[:, 10:11]))
+    grown = [held_allocated_bytes(lambda t=t: run(x[:, t : t + 1])) for t in (11, 12)]
+    one_token = kv_cache_bytes(1, LAYERS, 8, HEAD_DIM)  # bfloat16
+    assert grown == [one_token + 8 * LAYERS] * 2  # and one int64 position per layer
+    assert len(caches[0]) == 13
 
 
-def test_a_decoding_step_grows_the_cache_by_one_token_of_eq_10_1():
-    cache, shape = KVCache(), (1, 2, 10, HEAD_DIM)
-    cache.append(torch.zeros(shape), torch.zeros(shape), torch.arange(10))
-    one = (1, 2, 1, HEAD_DIM)
-    keys, values, _ = cache.append(torch.zeros(one), torch.zeros(one), torch.tensor([10]))
-    assert keys.nbytes + values.nbytes == kv_cache_bytes(11, 1, 2, HEAD_DIM, torch.float32)
-    assert kv_cache_bytes(11, 1, 2, HEAD_DIM, torch.float32) - kv_cache_bytes(
-        10, 1, 2, HEAD_DIM, torch.float32
-    ) == kv_cache_bytes(1, 1, 2, HEAD_DIM, torch.float32)
+def test_transformers_dynamic_cache_of_a_real_qwen3_layer_holds_eq_10_1():
+    transformers = pytest.importorskip("transformers")
+    from attnlib.lab import qwen3
+
+    layer = qwen3.random_layer(seed=0)  # Qwen3-0.6B's attention: 16 query, 8 KV heads of 128
+    batch, prompt = 2, 12
+    x = torch.randn(batch, prompt + 1, 1024, generator=torch.Generator().manual_seed(1))
+    cos, sin = qwen3.hf_cos_sin(layer, x, torch.arange(prompt + 1).expand(batch, prompt + 1))
+    cache = transformers.DynamicCache()
+
+    def run(start, stop):
+        mask = qwen3.causal_mask(batch, stop - start, stop, torch.float32)
+        part = slice(start, stop)
+        qwen3.layer_forward(layer, x[:, part], cos[:, part], sin[:, part], mask, cache)
+
+    after_prompt = held_allocated_bytes(lambda: run(0, prompt))
+    assert after_prompt == kv_cache_bytes(prompt, 1, 8, HEAD_DIM, torch.float32, batch)
+    after_step = after_prompt + held_allocated_bytes(lambda: run(prompt, prompt + 1))
+    assert after_step == kv_cache_bytes(prompt + 1, 1, 8, HEAD_DIM, torch.float32, batch)
 
 
 @pytest.mark.parametrize("q_heads,kv_heads", [(16, 16), (16, 4), (16, 1), (6, 2)])

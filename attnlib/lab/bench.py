@@ -72,6 +72,14 @@ def _inputs(length: int, settings: dict) -> list:
     ]
 
 
+def _max_abs_error(tensors, references) -> float:
+    """The largest |tensor - reference| over all pairs; NaN if any difference is NaN.
+
+    torch's max keeps a NaN, where Python's max(0.0, nan) returns 0.0 and would hide it.
+    """
+    return float(torch.stack([(t - r).abs().max() for t, r in zip(tensors, references)]).max())
+
+
 def forward_rows(length: int, settings: dict) -> list:
     """One row (a JSON-ready dict) per forward method at T = S = length."""
     q, k, v, _ = _inputs(length, settings)
@@ -87,7 +95,7 @@ def forward_rows(length: int, settings: dict) -> list:
                 "median_s": medians[name],
                 "peak_bytes": peak_allocated_bytes(call),
                 "os_peak_bytes": peak_rss_bytes(call),  # a cross-check, exact only when large
-                "max_abs_err_vs_sdpa": float((call() - reference).abs().max()),
+                "max_abs_err_vs_sdpa": _max_abs_error([call()], [reference]),
             }
         )
     return rows
@@ -106,7 +114,7 @@ def training_rows(length: int, settings: dict) -> list:
     rows = []
     for name, call in one_head.items():
         grads = timed[name]() if name in timed else reference  # untimed: no error reported
-        error = max(float((g - r).abs().max()) for g, r in zip(grads, reference))
+        error = _max_abs_error(grads, reference)
         rows.append(
             {
                 "method": name,

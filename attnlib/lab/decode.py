@@ -2,6 +2,10 @@
 
 Both are counted from the shapes alone, like attnlib.cost. Each layer's cache holds keys and
 values [B, Hkv, S, Dh]; a decoding step runs T = 1 query per query head against all S of them.
+The bytes of a step are its compulsory traffic, every tensor read or written once: a lower bound
+on what a kernel moves (a tiled prefill rereads K and V once per block of queries, SDPA's
+enable_gqa path reads a shared head once per query head), so eq. 10.2 is an upper bound on the
+FLOPs per byte a kernel reaches.
 """
 
 import torch
@@ -64,11 +68,12 @@ def step_bytes(
     dtype: torch.dtype = torch.bfloat16,
     batch: int = 1,
 ) -> dict:
-    """Bytes one attention layer reads and writes for T queries against S cached keys.
+    """Bytes one attention layer must read and write for T queries against S cached keys.
 
     Returns {"K", "V", "Q", "O"}: K and V are [B, Hkv, S, D] (eq. 10.1 for one layer), Q and the
-    output O are [B, Hq, T, D]. Their sum is the denominator of eq. 10.2. Scores and weights are
-    left out: a fused kernel keeps them in registers and caches.
+    output O are [B, Hq, T, D], each counted once: the compulsory traffic, a lower bound. Their
+    sum is the denominator of eq. 10.2. Scores and weights are left out: a fused kernel keeps
+    them in registers and caches.
     """
     _count("queries", queries, 1), _count("keys", keys, 1), _count("head_dim", head_dim, 1)
     _check_groups(q_heads, kv_heads)
@@ -87,7 +92,8 @@ def step_intensity(
     dtype: torch.dtype = torch.bfloat16,
     causal: bool = False,
 ) -> float:
-    """FLOPs per byte of one attention layer, eq. 10.2: attention_flops over all of K, V, Q, O.
+    """FLOPs per byte of one attention layer, eq. 10.2: attention_flops over all of K, V, Q, O,
+    each moved once, so an upper bound on what a kernel that rereads a tensor reaches.
 
     4*T*S*D*Hq / (2*b*D*(T*Hq + S*Hkv)) = 2*T*S*Hq / (b*(T*Hq + S*Hkv)) for every pair;
     causal=True counts only the visible pairs, as a prefill kernel that skips hidden keys does.

@@ -3,6 +3,7 @@
 How: `peak_allocated_bytes` replays every allocation and free that PyTorch's CPU allocator reports
 to the profiler (profile_memory=True) and returns the highest running total: the bytes the
 call held at its worst moment beyond what existed before it, its output included.
+`held_allocated_bytes` replays the same log to its end: what the call allocated and still holds.
 `peak_rss_bytes` asks Linux instead: it resets the process's resident high-water mark (VmHWM)
 and reports how far it rose above the resident size at the start. The two agree for large
 tensors; memory that bypasses PyTorch's allocator (BLAS scratch space) only the second sees.
@@ -42,8 +43,9 @@ def _allocation_event_type():
         ) from None
 
 
-def peak_allocated_bytes(fn: Callable[[], object]) -> int:
-    """Peak bytes held by PyTorch's CPU allocator during fn(), above the level when it started."""
+def _allocation_log(fn: Callable[[], object]) -> list:
+    """(time in ns, bytes) of every allocation (+) and free (-) PyTorch's CPU allocator reports
+    to the profiler while fn() runs, in order of time."""
     allocation = _allocation_event_type()
     # The engine under torch.profiler.profile, which on first use also imports torch._inductor.
     from torch.autograd.profiler import profile
@@ -63,11 +65,30 @@ def peak_allocated_bytes(fn: Callable[[], object]) -> int:
         if node.tag == allocation:
             sizes.append((node.start_time_ns, node.extra_fields.alloc_size))  # bytes, - = free
         stack.extend(node.children)
+    return sorted(sizes)
+
+
+def peak_allocated_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes held by PyTorch's CPU allocator during fn(), above the level when it started."""
     held = peak = 0
-    for _, size in sorted(sizes):
+    for _, size in _allocation_log(fn):  # whole numbers of bytes: no NaN to hide
         held += size
-        peak = max(peak, held)
+        if held > peak:
+            peak = held
     return peak
+
+
+def held_allocated_bytes(fn: Callable[[], object]) -> int:
+    """Bytes that fn() allocated through PyTorch's CPU allocator and still holds when it returns:
+    what a KV cache keeps, to hold against eq. 10.1.
+
+    Allocations less frees, so it is negative where fn() frees more than it keeps (a tensor made
+    before the call and released during it). A value fn() returns is dropped as it returns, so it
+    is not held: to count a result, keep it (in a list, a cache). The allocator reports the size
+    of a free only for memory it handed out while some measurement ran (PyTorch warns "Memory
+    block of unknown size"), so measure the calls that build what a later call frees too.
+    """
+    return sum(size for _, size in _allocation_log(fn))
 
 
 def _status_bytes(key: str) -> int:
