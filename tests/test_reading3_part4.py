@@ -61,4 +61,4 @@ def test_the_tiles_of_eq_15_1_are_the_sizes_the_level_is_sought_between():
 def test_linear_attention_in_chapter_14_carries_its_normaliser():
     cells = json.loads((REPO / "notebooks" / "14_tiling.ipynb").read_text())["cells"]
     prose = " ".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
-    assert r"\big/ \phi(q_i)^\top\sum_j \phi(k_j)" in prose
+    assert r"\big/ \psi(q_i)^\top\sum_j \psi(k_j)" in prose
