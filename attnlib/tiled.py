@@ -110,7 +110,7 @@ def _compiled_forward(q, k, v, prepared: Prepared, block: int, with_lse: bool):
 
 def _compiled_backward(grad, grad_lse, q, k, v, out, lse, prepared: Prepared, block: int):
     """_backward's result from attnlib/csrc/tiled.cpp: eqs. 16.1-16.5 per KV head, each tile's
-    P and dS kept in one core's cache; every sum in one fixed order (deterministic)."""
+    A and dZ kept in one core's cache; every sum in one fixed order (deterministic)."""
     if q.shape[2] == 0 or k.shape[2] == 0:
         return _backward(grad, grad_lse, q, k, v, out, lse, prepared, block)
     q2, k2, v2, positions, allowed, strides, states, sizes = _compiled_arrays(
@@ -169,9 +169,9 @@ def _delta(grad, grad_lse, out, work) -> torch.Tensor:
 
 
 def _backward(grad, grad_lse, q, k, v, out, lse, prepared: Prepared, block: int):
-    """Eqs. 16.1-16.4 by tiles: dQ, dK, dV from dO [B, Hq, T, Dv]; each tile's P from L (16.5).
+    """Eqs. 16.1-16.4 by tiles: dQ, dK, dV from dO [B, Hq, T, Dv]; each tile's A from lse (16.5).
 
-    A gradient dL [B, Hq, T] of the log-sum-exp adds P * dL to dS (dL/dZ = P): delta - dL.
+    A gradient dlse [B, Hq, T] of the log-sum-exp adds A * dlse to dZ (dlse/dZ = A): delta - dlse.
     """
     group, work, scale = q.shape[1] // k.shape[1], compute_dtype(q.dtype), prepared.scale
     delta = _delta(grad, grad_lse, out, work)
@@ -183,8 +183,8 @@ def _backward(grad, grad_lse, q, k, v, out, lse, prepared: Prepared, block: int)
         q_tile, do = (x[:, :, :, i0:i1].flatten(2, 3) for x in (q2, grad))  # [B, Hkv, g*t, D|Dv]
         row_lse, row_delta = (x[:, :, :, i0:i1].flatten(2, 3)[..., None] for x in (lse, delta))
         for j0, j1, mask in tiles:
-            p = _scores(q_tile, k[:, :, j0:j1], mask).sub_(row_lse).exp2_()  # eq. 16.5: P
-            dv[:, :, j0:j1] += p.transpose(-2, -1) @ do  # eq. 16.1: dV = P^T dO, summed over g
+            p = _scores(q_tile, k[:, :, j0:j1], mask).sub_(row_lse).exp2_()  # eq. 16.5: A
+            dv[:, :, j0:j1] += p.transpose(-2, -1) @ do  # eq. 16.1: dV = A^T dO, summed over g
             ds = (do @ v[:, :, j0:j1].transpose(-2, -1)).sub_(row_delta).mul_(p)  # eq. 16.3
             dq[:, :, :, i0:i1] += (ds @ k[:, :, j0:j1]).unflatten(2, (group, -1))  # eq. 16.4
             dk[:, :, j0:j1] += ds.transpose(-2, -1) @ q_tile  # eq. 16.4, q_tile holds the scale

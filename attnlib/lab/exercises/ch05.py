@@ -114,11 +114,11 @@ def _prefix_sees_suffix(q, k, v, prefix):
 
 def _prefix_cases():
     shapes = [(2, 3, 3, 7, 7, 8), (1, 2, 2, 6, 6, 4), (1, 1, 1, 5, 5, 16), (3, 2, 2, 4, 4, 8)]
-    prefixes = [3, 0, 5, 1, 2]  # P = 0: causal; P = T: no mask; the spike's key lies past P
+    prefixes = [3, 0, 5, 1, 2]  # n = 0: causal; n = T: no mask; the spike's key lies past n
     cases = []
     for case, p in zip(qkv_cases(shapes, 5, spike=True), prefixes):
-        sizes, spike, edge = case.label.partition(", one")  # P goes after the sizes
-        cases.append(Case((*case.args, p), f"{sizes}, P={p}{spike}{edge}"))
+        sizes, spike, edge = case.label.partition(", one")  # n goes after the sizes
+        cases.append(Case((*case.args, p), f"{sizes}, n={p}{spike}{edge}"))
     return cases
 
 

@@ -13,7 +13,7 @@ CHAPTER = "16_backward"
 
 BUGS = {
     "backward_without_delta": Bug(
-        "dZ = P * (dP - delta) needs the row-sum term delta_i = dO_i . O_i; without it dq and dk "
+        "dZ = A * (dA - delta) needs the row-sum term delta_i = dO_i . O_i; without it dq and dk "
         "are wrong (dv is right).",
         Section(CHAPTER, "16.1", "The backward pass, derived"),
     ),

@@ -76,7 +76,7 @@ def _cases():
         (1, 1, 6, 4, 1),
     ]:
         q, k, v = (randn(gen, b, h, t, d) for _ in range(3))
-        cases.append(Case((q, k, v, processes), f"B={b}, H={h}, T={t}, D={d}, P={processes}"))
+        cases.append(Case((q, k, v, processes), f"B={b}, H={h}, T={t}, D={d}, N={processes}"))
     return cases
 
 
