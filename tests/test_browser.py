@@ -317,16 +317,18 @@ def test_page(visit, page):
             check(any(text == "Open in Colab" for text, *_ in links), "no 'Open in Colab' link")
         report["colab"] = [f"{text or title}: {href}" for text, href, title in links]
 
-    # Answers: every folded answer starts closed and hides its code until it is opened.
+    # Answers: every folded answer starts closed, its code hidden, and opens on a click.
     if page.startswith("notebooks/") and not is_placeholder(page):
-        answers = p.locator("details:has(> summary)")
-        shut = p.evaluate(
-            """() => Array.from(document.querySelectorAll('main details')).map(d => [
-            d.open, d.querySelector('summary').innerText.trim(),
-            Array.from(d.querySelectorAll('pre')).some(e => e.offsetParent !== null)])"""
-        )
-        check(answers.count() >= 2, f"only {answers.count()} folded answers")
-        check(all(not o and s == "Answer" and not v for o, s, v in shut), f"answers: {shut}")
+        answers_js = """() => Array.from(document.querySelectorAll('main details'))
+            .filter(d => d.querySelector(':scope > summary')?.innerText.trim() === 'Answer')
+            .map(d => [d.open, Array.from(d.querySelectorAll('pre'))
+                .some(e => e.checkVisibility())])"""
+        shut = p.evaluate(answers_js)
+        check(len(shut) >= 2, f"only {len(shut)} folded answers")
+        check(all(not o and not v for o, v in shut), f"answers open or showing code: {shut}")
+        p.locator("main details > summary", has_text="Answer").first.click()
+        opened = p.evaluate(answers_js)[:1]
+        check(opened == [[True, True]], f"the first answer does not open on a click: {opened}")
         report["answers"] = len(shut)
 
     # Widgets: all rendered; every slider and every toggle group switches what its box shows.
