@@ -683,6 +683,25 @@ def test_no_two_bugs_look_alike():
             assert alike == [bug]
 
 
+def assert_bugs_differ(name: str, planted) -> None:
+    """Exercise `name`'s wrong versions are exactly the bugs planted for it, and each differs
+    from the reference and from the others on its cases even with NaN read as 0 (stricter than
+    test_no_two_bugs_look_alike, which lets masked_row_nan differ only by its NaNs). Used by the
+    test files of the chapters' new exercises."""
+    ex = EXERCISES[name]
+    cases = ex.cases()
+    refs = [_as_tuple(ex.reference(*c.args)) for c in cases]
+    outs = {bug: [_as_tuple(f(*c.args)) for c in cases] for bug, f in ex.bugs.items()}
+    assert set(outs) == set(planted), set(outs) ^ set(planted)
+    for bug, got in outs.items():
+        assert not all(_close(g, r, True) for g, r in zip(got, refs)), f"{bug} is the reference"
+    for a in outs:
+        for b in outs:
+            if a < b:
+                same = all(_close(x, y, True) for x, y in zip(outs[a], outs[b]))
+                assert not same, f"{a} and {b} give the same outputs on every case"
+
+
 # ---- no false diagnosis: correct answers in many styles, over random shapes -------------------
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import attnlib
 from attnlib.lab.exercises import BUGS, EXERCISES, check
-from attnlib.lab.exercises.core import _as_tuple, _close
+from tests.test_exercises import assert_bugs_differ
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
@@ -111,15 +111,7 @@ def test_the_reference_is_causal_at_p_0_and_unmasked_at_p_t():
 
 
 def test_the_two_bugs_differ_from_the_reference_and_from_each_other():
-    ex = EXERCISES["prefix_lm_attention"]
-    cases = ex.cases()
-    refs = [_as_tuple(ex.reference(*c.args)) for c in cases]
-    outs = {bug: [_as_tuple(f(*c.args)) for c in cases] for bug, f in ex.bugs.items()}
-    assert set(outs) == set(PLANTED)
-    for bug, got in outs.items():
-        assert not all(_close(g, r, True) for g, r in zip(got, refs)), bug
-    a, b = outs.values()
-    assert not all(_close(x, y, True) for x, y in zip(a, b))
+    assert_bugs_differ("prefix_lm_attention", PLANTED)
 
 
 def test_an_unknown_mistake_gets_no_name_and_the_probe_finds_the_leak(capsys):
