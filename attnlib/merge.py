@@ -1,10 +1,10 @@
-"""Two partial attentions over disjoint sets of keys, merged exactly (eq. 20.1)."""
+"""Two partial attentions over disjoint sets of keys, merged exactly (eq. 21.1)."""
 
 import torch
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):
-    """Eq. 20.1: L = log(e^La + e^Lb), O = e^(La-L) Oa + e^(Lb-L) Ob; returns (O, L).
+    """Eq. 21.1: L = log(e^La + e^Lb), O = e^(La-L) Oa + e^(Lb-L) Ob; returns (O, L).
 
     out [..., T, Dv] and lse [..., T] (natural log, as `tiled_attention(..., return_lse=True)`
     gives them). A query that saw no key in one part has L = -inf there: the other part comes

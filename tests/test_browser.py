@@ -40,10 +40,10 @@ SLIDER_PAGES = {  # pages and the sliders each must show
     "notebooks/05_causal_masking": 1,
     "notebooks/08_rotary_positions": 1,
     "notebooks/14_tiling": 1,
-    "notebooks/17_induction_heads": 1,
-    "notebooks/18_language_model": 1,
-    "notebooks/19_circuits": 1,
-    "notebooks/21_ring_attention": 1,
+    "notebooks/18_induction_heads": 1,
+    "notebooks/19_language_model": 1,
+    "notebooks/20_circuits": 1,
+    "notebooks/22_ring_attention": 1,
 }
 TOGGLE_PAGES = {"notebooks/05_causal_masking": 1}  # toggle-button groups needed
 RAW_TEX = re.compile(r"\$\$|\\\(|\\\)|\\\[|\\\]|\\begin\{|\\frac\{|\\sqrt\{")

@@ -1,6 +1,6 @@
-"""Chapter 19's circuits: copying scores, composition scores, patching, the hand-built model.
+"""Chapter 20's circuits: copying scores, composition scores, patching, the hand-built model.
 
-The trained models are the runs shipped in attnlib/lab/induction_run (chapter 17's model and
+The trained models are the runs shipped in attnlib/lab/induction_run (chapter 18's model and
 training, seeds 0-3); one test retrains the first 50 steps of seed 0 and compares.
 """
 
@@ -17,7 +17,7 @@ SETUP = induction.Setup()
 
 
 def float64_copying_score(matrix):
-    """Eq. 19.3 with numpy's eigenvalues, one by one, as the reference."""
+    """Eq. 20.3 with numpy's eigenvalues, one by one, as the reference."""
     import numpy as np
 
     eigenvalues = np.linalg.eigvals(matrix.double().numpy())
@@ -52,7 +52,7 @@ def test_copying_score_matches_a_float64_reference(n, seed):
 
 
 def test_copying_score_of_the_trained_heads(trained):
-    """Eq. 19.3 on the full OV circuits of eq. 19.2, against the float64 reference."""
+    """Eq. 20.3 on the full OV circuits of eq. 20.2, against the float64 reference."""
     for layer in range(2):
         for head in range(SETUP.heads):
             table = circuits.ov_circuit(trained, layer, head)
@@ -76,7 +76,7 @@ def test_composition_score_is_its_formula_and_ignores_scale(rows, middle, cols, 
 
 
 def test_head_weights_are_the_slices_the_forward_pass_uses(trained, evaluation):
-    """W_Q, W_K of eq. 19.1 give the attention weights that the model computes."""
+    """W_Q, W_K of eq. 20.1 give the attention weights that the model computes."""
     tokens = evaluation.tokens[:4]
     first = induction.attention_patterns(trained, tokens)[0]  # [B, H, T, T]
     x = trained.embed(tokens) + trained.positions  # layer 1 reads the embeddings and P
@@ -115,7 +115,7 @@ def test_zero_patch_everywhere_is_chapter_16s_ablation(trained, evaluation):
 def test_step_back_rotates_positions_back_by_one():
     d_model = 2 * circuits.PAIRS + 3 * SETUP.vocab
     positions = induction.sinusoidal_positions(SETUP.length, d_model)[:, : 2 * circuits.PAIRS]
-    moved = positions[1:] @ circuits.step_back(d_model).T  # P_i -> P_(i-1), eq. 19.6
+    moved = positions[1:] @ circuits.step_back(d_model).T  # P_i -> P_(i-1), eq. 20.6
     assert torch.allclose(moved, positions[:-1], atol=1e-5)
 
 
@@ -126,7 +126,7 @@ def test_step_back_rotates_positions_back_by_one():
     st.integers(16, 32),  # length
 )
 def test_the_hand_built_model_solves_the_task_over_seeds_and_lengths(seed, segment, length):
-    """Copied-token loss below chapter 17's 0.4 ln V threshold at any length it was built for
+    """Copied-token loss below chapter 18's 0.4 ln V threshold at any length it was built for
     (T <= 32) and any segment, with no training; and a failure without repeats."""
     model = circuits.hand_built(SETUP)
     setup = SETUP._replace(length=length, segment=segment)
@@ -190,7 +190,7 @@ def test_the_chapter_run_holds_chapter_16s_checkpoints():
 
 @pytest.mark.parametrize("seed", circuits.OTHER_SEEDS)
 def test_the_circuit_claims_hold_after_training_each_other_seed_afresh(seed, random_largest):
-    """Chapter 17's training from seed s (about 10 s each on one thread), then the claims."""
+    """Chapter 18's training from seed s (about 10 s each on one thread), then the claims."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

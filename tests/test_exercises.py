@@ -331,7 +331,7 @@ def induction_diagonal(weights, offset):
     return line[:, 1:-1].mean(-1)
 
 
-# chapters 18-21
+# chapters 19-22
 
 
 def composition_formula(w_qk, w_ov):
@@ -767,7 +767,7 @@ def gen_args_more(name, randn, b, h, g, t, extra, d):
 
 
 def gen_args_last(name, randn, b, h, g, t, extra, d):
-    """The arguments of the exercises of chapters 18-21."""
+    """The arguments of the exercises of chapters 19-22."""
     if name == "composition_score":
         return randn(d, d), randn(d, d) * g
     if name == "merge_partials":

@@ -1,6 +1,6 @@
-"""The checked exercises that parts V and VI gained: 18.1's line-start score and 21.4's ring step.
+"""The checked exercises that parts V and VI gained: 19.1's line-start score and 22.4's ring step.
 
-18.1 (`line_start_score`) is an ordinary exercise. 21.4 (`ring_step`) runs the reader's function
+19.1 (`line_start_score`) is an ordinary exercise. 22.4 (`ring_step`) runs the reader's function
 in two gloo processes through `on_two_processes`, which sends the function by value (a notebook
 is no module a started process could import it from). Here: the planted wrong answers are named,
 correct answers in several styles pass, and the ring step's failures (an error in one process, a
@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from attnlib import causal_attention, merge_attention, tiled_attention
 from attnlib.lab.exercises import BUGS, EXERCISES, check
-from attnlib.lab.exercises.ch21 import on_two_processes, run_step
+from attnlib.lab.exercises.ch22 import on_two_processes, run_step
 
-# ---- 18.1: the weight on the start of the line -------------------------------------------
+# ---- 19.1: the weight on the start of the line -------------------------------------------
 
 
 def line_start_loop(weights, newline):
@@ -72,7 +72,7 @@ def line_start_all_queries(weights, newline):
     return counted * kept / (b * t)
 
 
-# ---- 21.4: one step of the ring, in two processes ----------------------------------------
+# ---- 22.4: one step of the ring, in two processes ----------------------------------------
 
 
 def ring_step(q, k, v, rank, world):

@@ -1,7 +1,7 @@
-"""Chapter 17's lab (attnlib.lab.induction): the copy task, the model, its training, its probes.
+"""Chapter 18's lab (attnlib.lab.induction): the copy task, the model, its training, its probes.
 
-The references are independent: explicit loops for the task and for the head scores of eq. 17.2,
-a float64 head-by-head recomputation of eq. 17.1 through the brute-force attention of
+The references are independent: explicit loops for the task and for the head scores of eq. 18.2,
+a float64 head-by-head recomputation of eq. 18.1 through the brute-force attention of
 tests/references.py, and PyTorch's SDPA for training. The learned claims are checked on a tiny
 configuration, and the chapter's thresholds on models trained from seeds other than its own.
 """
@@ -51,7 +51,7 @@ def test_sinusoidal_positions_match_their_formula():
 
 
 def reference_logits(model, tokens):
-    """Eq. 17.1 in float64, head by head, with the brute-force attention of tests/references."""
+    """Eq. 18.1 in float64, head by head, with the brute-force attention of tests/references."""
     w = {name: p.detach().double() for name, p in model.named_parameters()}
     x = w["embed.weight"][tokens]  # [B, T, d]
     where = model.positions.double()[: tokens.shape[1]]
@@ -165,7 +165,7 @@ def test_untrained_models_fail_the_learned_claims():
 
 @pytest.mark.parametrize("seed", OTHER_SEEDS)
 def test_the_chapter_thresholds_hold_for_other_seeds(seed):
-    """Chapter 17's claims (induction.Thresholds), for models trained as in the chapter."""
+    """Chapter 18's claims (induction.Thresholds), for models trained as in the chapter."""
     setup = Setup()
     two = induction.make_model(seed, setup)
     induction.train(two, setup, seed=100 + seed)

@@ -35,7 +35,7 @@ def test_engine_needs_only_torch_and_never_the_lab():
 
 
 def test_engine_holds_at_most_1130_lines():
-    # 900 through chapter 17; the merge of partial softmaxes and L out of the tiled forward
+    # 900 through chapter 18; the merge of partial softmaxes and L out of the tiled forward
     # added about 50, the compiled forward and backward (inner="cpp") and their loading 175.
     lines = {path.name: len(path.read_text().splitlines()) for path in ENGINE}
     assert sum(lines.values()) <= 1130, lines

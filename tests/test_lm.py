@@ -1,4 +1,4 @@
-"""The small language model of chapter 18: its checkpoint, attnlib's attention inside
+"""The small language model of chapter 19: its checkpoint, attnlib's attention inside
 transformers, the training command, the head scores and the errors on bad input."""
 
 import json

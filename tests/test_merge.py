@@ -1,4 +1,4 @@
-"""merge_attention (eq. 20.1) and tiled_attention's L: exact merges, -inf parts, gradients."""
+"""merge_attention (eq. 21.1) and tiled_attention's L: exact merges, -inf parts, gradients."""
 
 import math
 

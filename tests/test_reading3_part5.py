@@ -1,6 +1,6 @@
 """Part V after its third reading: the bracket head's closers split by distance and nesting, the
 loss at the query the bracket score uses, Elhage et al.'s copying statistic beside the book's
-variant, and chapter 19's readings (composition scores, patching one input) on chapter 18's
+variant, and chapter 20's readings (composition scores, patching one input) on chapter 19's
 Qwen3 model. Each against an independent reference: loops over the tokens, numpy's eigenvalues,
 the model's own linear layers, and the model run without a patch.
 """
@@ -40,7 +40,7 @@ def repeats():
     return AutoModelForCausalLM.from_pretrained(lm.CHECKPOINT / "repeats").eval()
 
 
-# ---- chapter 18: the bracket head ------------------------------------------------------------
+# ---- chapter 19: the bracket head ------------------------------------------------------------
 
 
 def test_bracket_breakdown_against_loops():
@@ -123,7 +123,7 @@ def test_layers_are_labelled_from_one():
     assert labels == ["1", "2", "3", "4"]
 
 
-# ---- chapter 19: the copying statistics -------------------------------------------------------
+# ---- chapter 20: the copying statistics -------------------------------------------------------
 
 
 def numpy_copy(matrix):
@@ -161,7 +161,7 @@ def test_the_trained_previous_token_head_anti_copies_faintly():
     assert 4 * torch.linalg.norm(previous) < min(torch.linalg.norm(t) for t in inductions)
 
 
-# ---- chapter 19's readings on chapter 18's model ----------------------------------------------
+# ---- chapter 20's readings on chapter 19's model ----------------------------------------------
 
 
 def test_head_circuits_are_the_bilinear_forms_of_the_model_layers(repeats):

@@ -37,7 +37,7 @@ INTRODUCED = {
     "heads": 6,
     **dict.fromkeys(["tiled_attention", "tiled"], 14),
     "visible_pairs": 15,
-    **dict.fromkeys(["merge_attention", "merge"], 20),
+    **dict.fromkeys(["merge_attention", "merge"], 21),
 }
 
 

@@ -1,4 +1,4 @@
-"""Figures of chapter 19: QK circuits as heatmaps, and the circuit scores across training."""
+"""Figures of chapter 20: QK circuits as heatmaps, and the circuit scores across training."""
 
 import math
 
@@ -17,7 +17,7 @@ def causal(scores: torch.Tensor) -> torch.Tensor:
 
 def qk_panels(axes, model, previous: int, head: int, name: str):
     """Two heatmaps on axes (a pair): the positional QK scores of layer 1's head `previous`,
-    and layer 2's head `head` read through layer 1's OV (eq. 19.4)."""
+    and layer 2's head `head` read through layer 1's OV (eq. 20.4)."""
     positional = causal(circuits.positional_qk(model, 0, previous))
     composed = circuits.composed_qk(model, previous, head)
     for ax, scores, title, labels in (

@@ -1,4 +1,4 @@
-"""Figures of chapter 18: the loss curve, head-score grids, the bracket head's closers and a
+"""Figures of chapter 19: the loss curve, head-score grids, the bracket head's closers and a
 slider over every head. Layers are labelled from 1, heads from 0, as the chapters print them.
 
 The slider pre-renders one small heatmap per head and switches between them in the browser

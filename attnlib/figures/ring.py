@@ -13,7 +13,7 @@ ORDER_COLOURS = {"contiguous": "#4c72b0", "zigzag": "#dd8452", "striped": "#55a8
 
 
 def ring_diagram(world=4, step=1):
-    """The processes on a ring (eq. 21.1): each keeps its queries Q_r and, at `step`, holds
+    """The processes on a ring (eq. 22.1): each keeps its queries Q_r and, at `step`, holds
     the K/V shard of process (r - step) mod P; arrows show where each shard goes next."""
     fig, ax = plt.subplots(figsize=(5.6, 4.4))
     angles = np.pi / 2 - 2 * np.pi * np.arange(world) / world  # rank 0 on top, clockwise
@@ -69,7 +69,7 @@ def _pair_owner(world, length, order, tile, upto):
 
 
 def ring_step_figure(world, length, order, tile, step):
-    """The (query, key) pairs covered by the tiles computed by the end of `step` (eq. 21.2
+    """The (query, key) pairs covered by the tiles computed by the end of `step` (eq. 22.2
     for contiguous shards), queries as rows, coloured by process; pale where a computed
     tile's pair is hidden by eq. 7.1 (work wasted)."""
     owner, visible = _pair_owner(world, length, order, tile, step)
@@ -109,7 +109,7 @@ def ring_slider(world, length, order, tile):
 
 def orderings_figure(tiles_per_step):
     """The orderings side by side, from {order: [process][step] tiles computed}: the tiles
-    each process computed (eq. 21.2 for contiguous shards), and the ring's length (the
+    each process computed (eq. 22.2 for contiguous shards), and the ring's length (the
     busiest process at each step, summed over the steps)."""
     orders = list(tiles_per_step)
     world = len(next(iter(tiles_per_step.values())))

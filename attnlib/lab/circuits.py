@@ -1,10 +1,10 @@
-"""Reading the induction circuit from the weights (chapter 19).
+"""Reading the induction circuit from the weights (chapter 20).
 
-The model is chapter 17's attention-only transformer (eq. 17.1). Vectors are columns here, as
+The model is chapter 18's attention-only transformer (eq. 18.1). Vectors are columns here, as
 in Elhage et al. (2021): head h of a layer reads the stream through W_Q, W_K, W_V, each
 [Dh, d_model] (rows of the layer's linear maps, the transposes of eq. 2.1's d_model x D maps),
 and writes through W_O [d_model, Dh]. Its QK matrix W_Q^T W_K (chapter 2's M = W_Q W_K^T in
-eq. 2.1's matrices) and OV matrix W_O W_V are [d_model, d_model] (eq. 19.1); E [V, d_model]
+eq. 2.1's matrices) and OV matrix W_O W_V are [d_model, d_model] (eq. 20.1); E [V, d_model]
 embeds, W_U [V, d_model] unembeds. Run `python -m attnlib.lab.circuits` to rewrite the
 trained runs shipped in `induction_run/`.
 """
@@ -21,7 +21,7 @@ from . import induction
 
 RUN = Path(__file__).resolve().parent / "induction_run"
 CHECKPOINTS = tuple(range(0, 601, 25))  # the chapter's model, every 25 steps
-OTHER_SEEDS = (1, 2, 3)  # model seed s, data seed 100 + s, as chapter 17's robustness checks
+OTHER_SEEDS = (1, 2, 3)  # model seed s, data seed 100 + s, as chapter 18's robustness checks
 
 
 class Head(NamedTuple):
@@ -48,26 +48,26 @@ def head_weights(model, layer: int, head: int) -> Head:
 
 
 def qk_matrix(model, layer: int, head: int) -> torch.Tensor:
-    """Eq. 19.1, left: W_QK = W_Q^T W_K [d, d]; query x scores key y x^T W_QK y / sqrt(Dh)."""
+    """Eq. 20.1, left: W_QK = W_Q^T W_K [d, d]; query x scores key y x^T W_QK y / sqrt(Dh)."""
     w = head_weights(model, layer, head)
     return w.query.T @ w.key
 
 
 def ov_matrix(model, layer: int, head: int) -> torch.Tensor:
-    """Eq. 19.1, right: W_OV = W_O W_V [d, d]; a head that attends to x writes W_OV x."""
+    """Eq. 20.1, right: W_OV = W_O W_V [d, d]; a head that attends to x writes W_OV x."""
     w = head_weights(model, layer, head)
     return w.out @ w.value
 
 
 def ov_circuit(model, layer: int, head: int) -> torch.Tensor:
-    """Eq. 19.2: the full OV circuit E W_OV^T W_U^T, [V, V]: row s (the attended token) holds the
+    """Eq. 20.2: the full OV circuit E W_OV^T W_U^T, [V, V]: row s (the attended token) holds the
     logits that the head's write adds when it attends only to token s."""
     embed, unembed = model.embed.weight.detach(), model.unembed.weight.detach()
     return embed @ ov_matrix(model, layer, head).T @ unembed.T
 
 
 def copying_score(matrix: torch.Tensor) -> float:
-    """Eq. 19.3, right, copy_+: the share of the eigenvalues' total magnitude in eigenvalues with
+    """Eq. 20.3, right, copy_+: the share of the eigenvalues' total magnitude in eigenvalues with
     a positive real part, from 0 to 1; 1 for the identity, 0 for its negative (anti-copying),
     NaN for a zero matrix. A variant of `eigenvalue_copying`. matrix [n, n], in float64."""
     eigenvalues = torch.linalg.eigvals(matrix.double())
@@ -76,7 +76,7 @@ def copying_score(matrix: torch.Tensor) -> float:
 
 
 def eigenvalue_copying(matrix: torch.Tensor) -> float:
-    """Eq. 19.3, left, Elhage et al.'s copy: sum(lambda) / sum(|lambda|) over the eigenvalues,
+    """Eq. 20.3, left, Elhage et al.'s copy: sum(lambda) / sum(|lambda|) over the eigenvalues,
     from -1 to 1; 1 for the identity, -1 for its negative, NaN for a zero matrix. The sum of
     the eigenvalues of a real matrix is its trace. matrix [n, n], in float64."""
     eigenvalues = torch.linalg.eigvals(matrix.double())
@@ -91,7 +91,7 @@ def positional_qk(model, layer: int, head: int) -> torch.Tensor:
 
 
 def composed_qk(model, previous: int, head: int) -> torch.Tensor:
-    """Eq. 19.4: the layer-2 head's QK circuit read through the layer-1 head `previous`'s OV,
+    """Eq. 20.4: the layer-2 head's QK circuit read through the layer-1 head `previous`'s OV,
     E W_QK W_OV E^T / sqrt(Dh): [V, V], row = the query's token, column = the token that the
     layer-1 head wrote at the key (there, the key's previous token)."""
     embed = model.embed.weight.detach()
@@ -101,7 +101,7 @@ def composed_qk(model, previous: int, head: int) -> torch.Tensor:
 
 
 def composition_score(left: torch.Tensor, right: torch.Tensor) -> float:
-    """Eq. 19.5: ||left right||_F / (||left||_F ||right||_F), in float64."""
+    """Eq. 20.5: ||left right||_F / (||left||_F ||right||_F), in float64."""
     left, right = left.double(), right.double()
     return float(
         torch.linalg.norm(left @ right) / (torch.linalg.norm(left) * torch.linalg.norm(right))
@@ -109,7 +109,7 @@ def composition_score(left: torch.Tensor, right: torch.Tensor) -> float:
 
 
 def composition_scores(model) -> Dict[str, torch.Tensor]:
-    """K-, Q- and V-composition of every layer-1 head into every layer-2 head (eq. 19.5):
+    """K-, Q- and V-composition of every layer-1 head into every layer-2 head (eq. 20.5):
     {"K": [H1, H2], "Q": ..., "V": ...}; K reads W_QK W_OV, Q W_QK^T W_OV, V W_OV W_OV."""
     heads = model.heads
     tables = {name: torch.zeros(heads, heads, dtype=torch.float64) for name in "KQV"}
@@ -124,7 +124,7 @@ def composition_scores(model) -> Dict[str, torch.Tensor]:
 
 
 def random_composition(d_model: int, width: int, samples: int, generator) -> torch.Tensor:
-    """Eq. 19.5 for `samples` draws of Gaussian W_Q, W_K, W_V, W_O, W_V', W_O' of one head's
+    """Eq. 20.5 for `samples` draws of Gaussian W_Q, W_K, W_V, W_O, W_V', W_O' of one head's
     shapes ([width, d_model] and [d_model, width]): the K-composition scores, [samples]."""
     scores = torch.empty(samples, dtype=torch.float64)
     for i in range(samples):
@@ -145,7 +145,7 @@ def head_write(model, tokens: torch.Tensor, layer: int, head: int) -> torch.Tens
 
 
 def patched_logits(model, tokens, head, replacement: Optional[torch.Tensor], into=()):
-    """Eq. 17.1 run by hand, with the write of head = (layer, h) replaced by `replacement`
+    """Eq. 18.1 run by hand, with the write of head = (layer, h) replaced by `replacement`
     [B, T, d] (or [1, T, d]) in the readers named in `into` only: pairs (layer, "query" | "key" |
     "value") and "logits". Returns (logits [B, T, V], the head's own write [B, T, d]).
     With nothing to replace it computes what `model(tokens)` computes, bit for bit."""
@@ -180,7 +180,7 @@ def patched_logits(model, tokens, head, replacement: Optional[torch.Tensor], int
 
 
 def copied_loss(logits: torch.Tensor, data: induction.CopyBatch) -> float:
-    """The mean loss on the copied tokens (chapter 17's split) of logits [B, T, V]."""
+    """The mean loss on the copied tokens (chapter 18's split) of logits [B, T, V]."""
     losses = F.cross_entropy(
         logits[:, :-1].transpose(1, 2), data.tokens[:, 1:], reduction="none"
     )  # [B, T-1]
@@ -214,8 +214,8 @@ PAIRS = 8  # sine-cosine pairs of the positions that the hand-built layer 1 read
 
 
 def step_back(d_model: int, pairs: int = PAIRS) -> torch.Tensor:
-    """[2 pairs, 2 pairs]: rotates the first `pairs` sine-cosine pairs of position i (eq. 17.1's
-    P, frequencies w_k = 10000^(-2k/d_model)) into those of position i - 1 (eq. 19.6)."""
+    """[2 pairs, 2 pairs]: rotates the first `pairs` sine-cosine pairs of position i (eq. 18.1's
+    P, frequencies w_k = 10000^(-2k/d_model)) into those of position i - 1 (eq. 20.6)."""
     rotation = torch.zeros(2 * pairs, 2 * pairs, dtype=torch.float64)
     for k in range(pairs):
         w = 10000.0 ** (-2 * k / d_model)
@@ -225,7 +225,7 @@ def step_back(d_model: int, pairs: int = PAIRS) -> torch.Tensor:
 
 
 def hand_built(setup: Optional[induction.Setup] = None) -> induction.AttentionOnly:
-    """Chapter 17's model with d_model = 2 PAIRS + 3 V and every weight set by hand: layer 1,
+    """Chapter 18's model with d_model = 2 PAIRS + 3 V and every weight set by hand: layer 1,
     head 0 copies the previous token into its own block; layer 2, head 0 matches the query's
     token against it and copies the token it finds to the logits. Heads 1 are zero."""
     setup = induction.Setup() if setup is None else setup
@@ -256,7 +256,7 @@ def hand_built(setup: Optional[induction.Setup] = None) -> induction.AttentionOn
 class Claims(NamedTuple):
     """The chapter's thresholds on the circuits of a trained model."""
 
-    copies: float = 0.9  # the induction heads' copy_+ scores (eq. 19.3) are above this
+    copies: float = 0.9  # the induction heads' copy_+ scores (eq. 20.3) are above this
     previous_copies: float = 0.1  # the previous-token head's is below this: it anti-copies
     k_over_random: float = 1.0  # K-composition above this times the largest random score
     patched_above: float = 0.8  # key-only and whole-head patches: loss above this times ln V
@@ -275,14 +275,14 @@ def offset_peaks(model, head: int) -> list:
 
 
 def diagonal_peaks(model, previous: int, head: int) -> int:
-    """How many query tokens the composed QK circuit (eq. 19.4) scores highest on themselves."""
+    """How many query tokens the composed QK circuit (eq. 20.4) scores highest on themselves."""
     scores = composed_qk(model, previous, head)
     return int((scores.argmax(1) == torch.arange(scores.shape[0])).sum())
 
 
 def failed_circuit_claims(model, data, random_largest: float, limits=None) -> list:
     """The claims of `limits` (default Claims()) that a trained model fails on data; [] if none.
-    The previous-token head is the layer-1 head with the largest eq. 17.2 score."""
+    The previous-token head is the layer-1 head with the largest eq. 18.2 score."""
     limits, log_v = Claims() if limits is None else limits, math.log(model.unembed.weight.shape[0])
     first = induction.attention_patterns(model, data.tokens)[0]
     previous = int(induction.previous_token_score(first).argmax())
@@ -321,7 +321,7 @@ def failed_circuit_claims(model, data, random_largest: float, limits=None) -> li
 
 
 def train_run(seed: int = 0, steps=CHECKPOINTS):
-    """Chapter 17's two-layer model and training (model seed `seed`, data seed 100 + seed),
+    """Chapter 18's two-layer model and training (model seed `seed`, data seed 100 + seed),
     with checkpoints at `steps`: {step: state_dict}."""
     setup = induction.Setup()
     model = induction.make_model(seed, setup)
@@ -339,7 +339,7 @@ def write_run(folder: Path = RUN) -> None:
 
 
 def load_run(seed: int = 0, folder: Path = RUN) -> Dict[int, induction.AttentionOnly]:
-    """The shipped models of one training run: {step: model}, chapter 17's sizes."""
+    """The shipped models of one training run: {step: model}, chapter 18's sizes."""
     states = torch.load(folder / f"seed{seed}.pt", weights_only=True)
     models = {}
     for step, state in states.items():

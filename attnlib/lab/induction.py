@@ -1,9 +1,9 @@
-"""Induction heads (chapter 17): an attention-only transformer trained on a copy task.
+"""Induction heads (chapter 18): an attention-only transformer trained on a copy task.
 
-The model is eq. 17.1: token embeddings start a residual stream, to which every layer's
+The model is eq. 18.1: token embeddings start a residual stream, to which every layer's
 multi-head attention (eqs. 6.1-6.2) adds its output; fixed sinusoidal positions enter the
 queries and keys only; an unembedding gives the logits. The probes are the head scores of
-eq. 17.2. Sequences are [B, T] tokens; heads are [B, H, T, Dh].
+eq. 18.2. Sequences are [B, T] tokens; heads are [B, H, T, Dh].
 """
 
 import copy
@@ -48,7 +48,7 @@ def sinusoidal_positions(length: int, d_model: int) -> torch.Tensor:
 
 
 class AttentionOnly(nn.Module):
-    """Eq. 17.1: x = E[tokens]; per layer x += MHA(x), queries and keys read x + P, values x;
+    """Eq. 18.1: x = E[tokens]; per layer x += MHA(x), queries and keys read x + P, values x;
     logits = x W_U. tokens [B, T] -> logits [B, T, V]; `attention`: q, k, v [B, H, T, Dh]."""
 
     def __init__(self, vocab, length, d_model=32, heads=2, layers=2, attention=tiled_attention):
@@ -88,7 +88,7 @@ class AttentionOnly(nn.Module):
             keep = [(layer, h) not in ablate for h in range(self.heads)]
             if not all(keep):  # zero the ablated heads' outputs
                 y = y * torch.tensor(keep, dtype=y.dtype)[:, None, None]
-            x = x + out(merge_heads(y))  # eq. 17.1: the layer adds to the residual stream
+            x = x + out(merge_heads(y))  # eq. 18.1: the layer adds to the residual stream
         return self.unembed(x)  # [B, T, V]
 
 
@@ -200,12 +200,12 @@ def attention_patterns(model: nn.Module, tokens: torch.Tensor) -> List[torch.Ten
 
 
 def previous_token_score(weights: torch.Tensor) -> torch.Tensor:
-    """Eq. 17.2, left: each head's mean weight from query i to key i-1; [B, H, T, T] -> [H]."""
+    """Eq. 18.2, left: each head's mean weight from query i to key i-1; [B, H, T, T] -> [H]."""
     return weights.diagonal(offset=-1, dim1=-2, dim2=-1).mean((0, 2))
 
 
 def induction_score(weights: torch.Tensor, data: CopyBatch) -> torch.Tensor:
-    """Eq. 17.2, right: each head's mean weight from a copied query t to key t - offset + 1, the
+    """Eq. 18.2, right: each head's mean weight from a copied query t to key t - offset + 1, the
     token after the earlier occurrence of token t; weights [B, H, T, T] -> [H]."""
     row, query = data.copied.nonzero(as_tuple=True)  # query t predicts the copied token t+1
     key = query - (data.target - data.source)[row] + 1  # [N]
@@ -217,8 +217,8 @@ class Evidence(NamedTuple):
 
     copied_two: float  # copied-token loss of the 2-layer model
     copied_one: float  # ... of the 1-layer model
-    previous: torch.Tensor  # eq. 17.2 previous-token score of each layer-1 head, [H]
-    induction: torch.Tensor  # eq. 17.2 induction score of each layer-2 head, [H]
+    previous: torch.Tensor  # eq. 18.2 previous-token score of each layer-1 head, [H]
+    induction: torch.Tensor  # eq. 18.2 induction score of each layer-2 head, [H]
     ablated: float  # copied-token loss with the best previous-token head zeroed
     control: float  # ... with every other layer-1 head zeroed instead
 

@@ -1,5 +1,5 @@
 """What the heads of the small language model do: weights, head scores, ablation, generation,
-and chapter 19's circuit readings applied to it (composition scores, patching one input).
+and chapter 20's circuit readings applied to it (composition scores, patching one input).
 
 Scores take attention weights [B, H, T, T] (queries as rows) for one layer, or a list over
 layers, and return one number per head. Ablation zeroes one head's output before W_O. Layers
@@ -232,7 +232,7 @@ def byte_baselines(counts: torch.Tensor, text: str):
 
 
 def uniform_scores(tokenizer, ids: torch.Tensor) -> dict:
-    """The scores of eq. 18.2 for a head that spreads its weight evenly over keys 0..i."""
+    """The scores of eq. 19.2 for a head that spreads its weight evenly over keys 0..i."""
     tokens = ids.shape[1]
     weights = torch.ones(tokens, tokens).tril()
     weights = (weights / weights.sum(-1, keepdim=True)).expand(len(ids), 1, tokens, tokens)
@@ -259,12 +259,12 @@ def closing_targets(tokenizer, ids: torch.Tensor) -> torch.Tensor:
 
 def closer_queries(tokenizer, ids: torch.Tensor) -> torch.Tensor:
     """[B, T-1] True where the query itself (position i, predicting token i + 1) is a single
-    closing bracket: the queries of eq. 18.2's bracket score."""
+    closing bracket: the queries of eq. 19.2's bracket score."""
     return _closer_ids(tokenizer)[ids[:, :-1]]
 
 
 def bracket_breakdown(weights: torch.Tensor, tokens_per_row) -> dict:
-    """One head's weights [B, T, T] and each row's tokens -> one entry per pair of eq. 18.2's
+    """One head's weights [B, T, T] and each row's tokens -> one entry per pair of eq. 19.2's
     bracket score (`bracket_pairs`), each a tensor [N]: `distance` from the closer back to its
     opener; `nested`, True when another token holding an opening bracket lies between them;
     `on_opener`, True when the closer's largest weight is on its opener; `on_nearest`, True
@@ -303,11 +303,11 @@ def ablation(model, layer: int, head: int, ordinary, groups: dict, repeated, hal
     }
 
 
-# ---------------------------------------------------------------- chapter 19's readings
+# ---------------------------------------------------------------- chapter 20's readings
 
 
 def head_circuits(model, layer: int, head: int):
-    """Eq. 19.1 for query head `head` of a Qwen3 layer: (W_QK, W_OV), each [d_model, d_model],
+    """Eq. 20.1 for query head `head` of a Qwen3 layer: (W_QK, W_OV), each [d_model, d_model],
     vectors as columns. The RMSNorm gains (input, q_norm, k_norm) are folded in; RoPE's
     rotation and the norms' division by the root mean square are left out."""
     block = model.model.layers[layer]
@@ -325,7 +325,7 @@ def head_circuits(model, layer: int, head: int):
 
 
 def composition(model, source, layer: int) -> Dict[str, torch.Tensor]:
-    """Eq. 19.5 from head `source` = (layer, head) into every query head of `layer`:
+    """Eq. 20.5 from head `source` = (layer, head) into every query head of `layer`:
     {"K": [Hq], "Q": [Hq], "V": [Hq]}, with `head_circuits`' matrices."""
     writes = head_circuits(model, *source)[1]
     heads = model.config.num_attention_heads

@@ -158,7 +158,7 @@ class PagedKVCache:
 
 
 def memory_table(lengths, block_size, kv_heads, head_dim, bytes_per_number=4, reserve=None) -> dict:
-    """Bytes held for sequences of these lengths: paged against contiguous (eq. 20.2).
+    """Bytes held for sequences of these lengths: paged against contiguous (eq. 21.2).
 
     Returns tokens stored, blocks, paged bytes, contiguous bytes (B x reserve) and the share
     of each that holds tokens. A contiguous cache reserves `reserve` slots per sequence: by

@@ -3,7 +3,7 @@
 Process r keeps its queries and passes its keys and values around a ring: at step s it holds
 the K/V shard of process (r - s) mod P, attends to it with `tiled_attention(...,
 return_lse=True)` and folds the partial into its running answer with `merge_attention`
-(eq. 20.1), while the next shard is already on its way (`batch_isend_irecv`). After P steps
+(eq. 21.1), while the next shard is already on its way (`batch_isend_irecv`). After P steps
 every query has seen every key. Each process counts the tiles it computes with a counter of
 the matrix products torch runs (`TileCounter`); `schedule` enumerates the visible pairs
 instead, one by one, so the two counts are independent. The workers live here, importable,
@@ -68,7 +68,7 @@ def tiles_computed(query_positions, key_positions, tile: int, causal: bool = Tru
     """Tiles of tile x tile (query, key) pairs, cut in the order a process holds its positions,
     that hold at least one visible pair (eq. 7.1), found pair by pair with no tensors.
 
-    For contiguous shards of n tiles this is eq. 21.2: r n^2 + n(n + 1)/2 over a whole ring.
+    For contiguous shards of n tiles this is eq. 22.2: r n^2 + n(n + 1)/2 over a whole ring.
     """
     query_tiles, key_tiles = _cut(query_positions, tile), _cut(key_positions, tile)
     if not causal:
@@ -89,7 +89,7 @@ def pairs_visible(query_positions, key_positions) -> int:
 
 def schedule(world: int, length: int, order: str, tile: int, causal: bool = True) -> list:
     """For each step, for each process: (the shard it holds, its tiles with a pair that eq. 7.1
-    shows), found pair by pair; summed over the steps, eq. 21.2 for contiguous shards."""
+    shows), found pair by pair; summed over the steps, eq. 22.2 for contiguous shards."""
     held = [shard_positions(order, r, world, length) for r in range(world)]
     return [
         [
@@ -101,7 +101,7 @@ def schedule(world: int, length: int, order: str, tile: int, causal: bool = True
 
 
 def bytes_sent_formula(world, batch, kv_heads, length, head_dim, value_dim, element_size=4):
-    """Bytes one process sends: P-1 shards of K and V, each [B, Hkv, T/P, D] (eq. 21.3)."""
+    """Bytes one process sends: P-1 shards of K and V, each [B, Hkv, T/P, D] (eq. 22.3)."""
     return (
         (world - 1) * batch * kv_heads * (length // world) * (head_dim + value_dim) * element_size
     )
@@ -130,7 +130,7 @@ class TileCounter(TorchDispatchMode):
 
 
 def ring_loop(rank, world, q, kv, queries_at, keys_at, tile):
-    """Eq. 21.1 for process `rank`: q [B, Hq, n, D] stays; kv [B, Hkv, n, D+Dv]
+    """Eq. 22.1 for process `rank`: q [B, Hq, n, D] stays; kv [B, Hkv, n, D+Dv]
     moves; keys_at[s]: shard s's positions. -> out, lse, tiles a step, bytes"""
     attend = partial(tiled_attention, block_size=tile, return_lse=True)
     dim, out, lse, tiles, sent = q.shape[-1], None, None, [], 0

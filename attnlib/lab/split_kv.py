@@ -1,7 +1,7 @@
 """Split-KV decoding (flash-decoding): the cache cut into chunks, each attended alone, merged.
 
 Each chunk gives a partial output and its log-sum-exp lse (`tiled_attention(..., return_lse=True)`);
-`merge_attention` (eq. 20.1) folds the partials into the exact answer. The chunks are
+`merge_attention` (eq. 21.1) folds the partials into the exact answer. The chunks are
 independent, so they can run at once: here on threads, each running one torch thread.
 """
 
@@ -55,7 +55,7 @@ def chunk_partials(q, k, v, chunk, query_positions=None, key_positions=None, sca
 
 
 def merge_all(partials):
-    """Fold a list of (out, lse) partials with eq. 20.1, left to right; returns (out, lse)."""
+    """Fold a list of (out, lse) partials with eq. 21.1, left to right; returns (out, lse)."""
     if not partials:
         raise ValueError("no partials to merge")
     out, lse = partials[0]
@@ -67,7 +67,7 @@ def merge_all(partials):
 def split_kv_attention(
     q, k, v, chunk, query_positions=None, key_positions=None, scale=None, workers=1
 ):
-    """`causal_attention` computed chunk by chunk over the keys and merged (eq. 20.1).
+    """`causal_attention` computed chunk by chunk over the keys and merged (eq. 21.1).
 
     q [B, Hq, T, D] (a decode step has T = 1), k [B, Hkv, S, D], v [B, Hkv, S, Dv]
     -> [B, Hq, T, Dv] in q's dtype. workers > 1 runs the chunks on that many threads.

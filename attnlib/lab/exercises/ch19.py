@@ -1,52 +1,75 @@
-"""Chapter 19, circuits: the composition score of two heads, eq. 19.5."""
+"""Chapter 19, a language model: a head score of its own, the weight on the start of the line."""
+
+import math
 
 import torch
 
-from .cases import randn
+from ...softmax import softmax
+from .cases import randn, tril
 from .core import Bug, Case, Exercise, Section
 
-CHAPTER = "19_circuits"
-COMPOSITION = Section(CHAPTER, "19.5", "Composition: which reader does layer 1 write for?")
+CHAPTER = "19_language_model"
+HEADS_AT_WORK = Section(CHAPTER, "19.6", "Heads at work")
 
 BUGS = {
-    "composition_not_normalised": Bug(
-        "||W_QK W_OV||_F was not divided by ||W_QK||_F ||W_OV||_F, so the score grows with the "
-        "size of the weights; normalised, it compares heads of any scale.",
-        COMPOSITION,
+    "line_start_after_break": Bug(
+        "The mean kept the queries whose line break is the token just before them. There the "
+        "start of the line is key i - 1, where every previous-token head looks anyway; leave "
+        "out the queries with n(i) = i - 1.",
+        HEADS_AT_WORK,
     ),
-    "composition_order_swapped": Bug(
-        "The product ran the other way, W_OV W_QK: the earlier head's output (W_OV) is what the "
-        "later head's W_QK reads, so the product is W_QK W_OV.",
-        COMPOSITION,
+    "line_start_over_all_queries": Bug(
+        "The mean ran over every query, counting 0 for those without a break before them; like "
+        "the scores of eq. 19.2, it runs over the queries the score is about, those with a "
+        "break at n(i) < i - 1.",
+        HEADS_AT_WORK,
     ),
 }
 
 
-def _composition(w_qk, w_ov, normalised=True, swapped=False):
-    w_qk, w_ov = w_qk.double(), w_ov.double()
-    product = w_ov @ w_qk if swapped else w_qk @ w_ov
-    scale = torch.linalg.matrix_norm(w_qk) * torch.linalg.matrix_norm(w_ov) if normalised else 1
-    return torch.linalg.matrix_norm(product) / scale
+def _line_start(weights, newline, after_break=False, over_all=False):
+    """Per head: the mean weight from query i on the last break before it, key n(i) (float64)."""
+    weights = weights.double()
+    t = newline.shape[-1]
+    positions = torch.arange(t)
+    marks = torch.where(newline.bool(), positions, torch.full_like(positions, -1))
+    last = marks.cummax(-1).values  # [B, T]: the last break at or before each position
+    start = torch.cat([torch.full_like(last[:, :1], -1), last[:, :-1]], -1)  # before i
+    counted = start >= 0 if after_break else (start >= 0) & (start < positions - 1)
+    picked = weights.gather(-1, start.clamp(min=0)[:, None, :, None].expand(*weights.shape[:3], 1))
+    total = (picked[..., 0] * counted[:, None]).sum((0, 2))  # [H]
+    return total / (counted.numel() if over_all else counted.sum())
 
 
 def _cases():
-    gen = torch.Generator().manual_seed(19)
-    return [Case((randn(gen, d, d), 3 * randn(gen, d, d)), f"d={d}") for d in (4, 8, 3, 16)]
+    gen, cases = torch.Generator().manual_seed(17), []
+    for b, h, t, breaks in [
+        (2, 2, 12, [[3, 4, 9], [0, 6]]),
+        (1, 3, 16, [[2, 3, 7, 8, 15]]),
+        (2, 1, 10, [[], [1, 5]]),
+        (1, 2, 8, [[0, 4]]),
+    ]:
+        scores = 2 * randn(gen, b, h, t, t)
+        weights = softmax(scores.masked_fill(~tril(t, t), -math.inf))  # [B, H, T, T], causal
+        newline = torch.zeros(b, t, dtype=torch.bool)
+        for row, where in enumerate(breaks):
+            newline[row, where] = True
+        label = f"B={b}, H={h}, T={t}, breaks at {'; '.join(map(str, breaks))}"
+        cases.append(Case((weights, newline), label.replace("[]", "none")))
+    return cases
 
 
 EXERCISES = {
-    "composition_score": Exercise(
-        "fn(w_qk, w_ov) -> score; w_qk and w_ov [d, d] -> a number",
-        "||W_QK W_OV||_F / (||W_QK||_F ||W_OV||_F): how much of the later head's W_QK reads "
-        "what the earlier head's W_OV writes.",
+    "line_start_score": Exercise(
+        "fn(weights, newline) -> scores; weights [B, H, T, T], newline [B, T] bool -> [H]",
+        "Each head's mean weight from query i on key n(i), the last position before i whose "
+        "token holds a line break, over the queries with n(i) < i - 1.",
         _cases,
-        _composition,
-        ("score (a number)",),
+        _line_start,
+        ("scores [H]",),
         {
-            "composition_not_normalised": lambda w_qk, w_ov: _composition(
-                w_qk, w_ov, normalised=False
-            ),
-            "composition_order_swapped": lambda w_qk, w_ov: _composition(w_qk, w_ov, swapped=True),
+            "line_start_after_break": lambda w, nl: _line_start(w, nl, after_break=True),
+            "line_start_over_all_queries": lambda w, nl: _line_start(w, nl, over_all=True),
         },
     ),
 }

@@ -1,68 +1,52 @@
-"""Chapter 20, merging partials: two partial attentions over disjoint keys, merged (eq. 20.1)."""
-
-import math
+"""Chapter 20, circuits: the composition score of two heads, eq. 20.5."""
 
 import torch
 
-from ...merge import merge_attention
-from .cases import f64, randn
+from .cases import randn
 from .core import Bug, Case, Exercise, Section
 
-CHAPTER = "20_merging_partials"
-TWO_PARTIALS = Section(CHAPTER, "20.1", "Two partial answers, one exact answer")
+CHAPTER = "20_circuits"
+COMPOSITION = Section(CHAPTER, "20.5", "Composition: which reader does layer 1 write for?")
 
 BUGS = {
-    "merge_plain_average": Bug(
-        "The two partial outputs were averaged with equal weights; each part weighs "
-        "e^(lse_part - lse), its share of the whole softmax's denominator.",
-        TWO_PARTIALS,
+    "composition_not_normalised": Bug(
+        "||W_QK W_OV||_F was not divided by ||W_QK||_F ||W_OV||_F, so the score grows with the "
+        "size of the weights; normalised, it compares heads of any scale.",
+        COMPOSITION,
     ),
-    "merge_without_max": Bug(
-        "e^lse was taken without a shift: it overflows for lse above about 88 in float32, and "
-        "a query that saw no key in either part gives -inf - (-inf) = NaN. Shift by the larger "
-        "lse, and give a part with lse = -inf the weight 0.",
-        TWO_PARTIALS,
+    "composition_order_swapped": Bug(
+        "The product ran the other way, W_OV W_QK: the earlier head's output (W_OV) is what the "
+        "later head's W_QK reads, so the product is W_QK W_OV.",
+        COMPOSITION,
     ),
 }
 
 
-def _reference(out_a, lse_a, out_b, lse_b):
-    return merge_attention(*f64(out_a, lse_a, out_b, lse_b))
-
-
-def _plain_average(out_a, lse_a, out_b, lse_b):
-    out_a, lse_a, out_b, lse_b = f64(out_a, lse_a, out_b, lse_b)
-    return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
-
-
-def _without_max(out_a, lse_a, out_b, lse_b):
-    lse = torch.log(lse_a.float().exp() + lse_b.float().exp())  # float32: inf above 88
-    out = (lse_a - lse).exp()[..., None] * out_a + (lse_b - lse).exp()[..., None] * out_b
-    return out.double(), lse.double()
+def _composition(w_qk, w_ov, normalised=True, swapped=False):
+    w_qk, w_ov = w_qk.double(), w_ov.double()
+    product = w_ov @ w_qk if swapped else w_qk @ w_ov
+    scale = torch.linalg.matrix_norm(w_qk) * torch.linalg.matrix_norm(w_ov) if normalised else 1
+    return torch.linalg.matrix_norm(product) / scale
 
 
 def _cases():
-    gen, cases = torch.Generator().manual_seed(20), []
-    for shape, shift in [((2, 2, 3, 4), 0.0), ((1, 3, 5, 2), 100.0), ((2, 1, 4, 3), 0.0)]:
-        out_a, out_b = randn(gen, *shape), randn(gen, *shape)
-        lse_a, lse_b = (3 * randn(gen, *shape[:-1]) + shift for _ in "ab")
-        label = f"out {list(shape)}" + (f", lse near {shift:g}" if shift else "")
-        cases.append(Case((out_a, lse_a, out_b, lse_b), label))
-    out_a, out_b = randn(gen, 1, 1, 3, 2), torch.zeros(1, 1, 3, 2)
-    lse_a, lse_b = torch.tensor([[[0.5, -math.inf, 2.0]]]), torch.full((1, 1, 3), -math.inf)
-    out_a[0, 0, 1] = 0.0  # a query that saw no key in either part
-    cases.append(Case((out_a, lse_a, out_b, lse_b), "parts with lse = -inf"))
-    return cases
+    gen = torch.Generator().manual_seed(19)
+    return [Case((randn(gen, d, d), 3 * randn(gen, d, d)), f"d={d}") for d in (4, 8, 3, 16)]
 
 
 EXERCISES = {
-    "merge_partials": Exercise(
-        "fn(out_a, lse_a, out_b, lse_b) -> (out, lse); out [..., T, Dv], lse [..., T]",
-        "Two partial attentions over disjoint keys merged into one (eq. 20.1); lse = -inf where a "
-        "query saw no key in a part.",
+    "composition_score": Exercise(
+        "fn(w_qk, w_ov) -> score; w_qk and w_ov [d, d] -> a number",
+        "||W_QK W_OV||_F / (||W_QK||_F ||W_OV||_F): how much of the later head's W_QK reads "
+        "what the earlier head's W_OV writes.",
         _cases,
-        _reference,
-        ("out [..., T, Dv]", "lse [..., T]"),
-        {"merge_plain_average": _plain_average, "merge_without_max": _without_max},
+        _composition,
+        ("score (a number)",),
+        {
+            "composition_not_normalised": lambda w_qk, w_ov: _composition(
+                w_qk, w_ov, normalised=False
+            ),
+            "composition_order_swapped": lambda w_qk, w_ov: _composition(w_qk, w_ov, swapped=True),
+        },
     ),
 }
