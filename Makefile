@@ -112,7 +112,7 @@ test-portable: setup
 
 $(COLAB_STAMP): constraints-colab.txt pyproject.toml
 	test -x $(COLAB_VENV)/bin/python || $(PYTHON) -m venv $(COLAB_VENV)
-	$(COLAB_VENV)/bin/python -m pip install -q -c constraints-colab.txt -e ".[book]" \
+	$(COLAB_VENV)/bin/python -m pip install -q -c constraints-colab.txt -e ".[book,triton]" \
 	  nbclient ipykernel $(QUIET)
 	touch $@
 
