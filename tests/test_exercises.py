@@ -626,7 +626,7 @@ def planted_everywhere() -> list:
     import importlib
 
     pairs = [(bug, ex) for bug, ex, _ in PAIRS]
-    for path in sorted(Path(__file__).parent.glob("test_exercises_part*.py")):
+    for path in sorted(Path(__file__).parent.glob("test_exercises_*.py")):
         module = importlib.import_module(f"tests.{path.stem}")
         for bug, entry in getattr(module, "PLANTED", {}).items():
             if isinstance(entry, tuple):
