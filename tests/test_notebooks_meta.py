@@ -128,17 +128,11 @@ def test_every_ignored_output_says_why(path):
         lines = source(cell).splitlines()
         tagged = "nbval-ignore-output" in cell.get("metadata", {}).get("tags", [])
         marked = [i for i, line in enumerate(lines) if IGNORE in line]
-        if tagged and not marked:
+        if tagged:
             reasons = [line for line in lines if re.match(r"\s*#\s*\w+", line)]
             assert reasons, f"cell {number} ignores its output without a comment saying why"
-        for i in marked:
-            # nbval 0.11 honours the marker only alone on its comment line; with anything else
-            # on that line the output is silently compared after all.
-            alone = re.fullmatch(rf"\s*#+\s*{IGNORE}\s*", lines[i])
-            assert alone, f"cell {number}: '# {IGNORE}' must be alone on its line (nbval)"
-            following = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            has_reason = re.match(r"#\s*\S.{8,}", following)
-            assert has_reason, f"cell {number}: say why on the line after {IGNORE}"
+        # Colab and JupyterLab show the comment to every reader; the tag stays in the metadata.
+        assert not marked, f"cell {number}: tag it nbval-ignore-output, not '# {IGNORE}'"
 
 
 EQ = r"\d{1,2}\.[1-9]\d?"  # N.k, k from 1
