@@ -34,11 +34,13 @@ def test_engine_needs_only_torch_and_never_the_lab():
         assert not imported_roots(path) & {".lab", ".figures"}, f"{path.name} imports the lab"
 
 
-def test_engine_holds_at_most_1130_lines():
+def test_engine_holds_at_most_1900_lines():
     # 900 through chapter 18; the merge of partial softmaxes and L out of the tiled forward
     # added about 50, the compiled forward and backward (inner="cpp") and their loading 175.
+    # Part VII added about 750: latent attention and the quantiser (chapter 23), the rescaled
+    # RoPE frequencies, ALiBi and the sinks (24), linear attention and the delta rule (25).
     lines = {path.name: len(path.read_text().splitlines()) for path in ENGINE}
-    assert sum(lines.values()) <= 1130, lines
+    assert sum(lines.values()) <= 1900, lines
 
 
 def test_no_function_in_attnlib_is_over_40_lines():
