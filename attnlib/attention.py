@@ -1,4 +1,4 @@
-"""Scaled dot-product attention under the positions rule (eqs. 2.2, 3.3, 5.1, 7.1, 9.1).
+"""Scaled dot-product attention under the positions rule (eqs. 2.2, 3.3, 5.1, 7.1, 9.1, 24.7).
 
 Shapes are written [B, H, T, D]: batch, heads, tokens (T queries, S keys), features.
 `prepare` is the preamble every attention function shares: checks, positions, mask, scale.
@@ -125,26 +125,48 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _weights(q: torch.Tensor, k: torch.Tensor, prepared: Prepared) -> torch.Tensor:
+def check_sinks(sinks, q_heads: int):
+    """A sink logit per query head, [Hq] (eq. 24.7), or None."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q_heads,):
+        shape = list(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be a tensor [Hq] = [{q_heads}], one per head, got {shape}")
+    return sinks
+
+
+def _weights(q: torch.Tensor, k: torch.Tensor, prepared: Prepared, sinks=None) -> torch.Tensor:
     work = compute_dtype(q.dtype)
     k = repeat_kv(k, q.shape[1] // k.shape[1])  # [B, Hq, S, D]
     scores = (q.to(work) @ k.to(work).transpose(-2, -1)) * prepared.scale  # [B, Hq, T, S], eq. 3.3
     mask = mask_of(prepared)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))  # eq. 5.1: before the softmax
-    return softmax(scores, dim=-1)  # eq. 4.1
+    if sinks is None:
+        return softmax(scores, dim=-1)  # eq. 4.1
+    column = sinks.to(work).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)  # [B, Hq, T, 1]
+    return softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]  # eq. 24.7
 
 
 def attention_weights(
-    q, k, query_positions=None, key_positions=None, allowed=None, scale=None, causal=True
+    q,
+    k,
+    query_positions=None,
+    key_positions=None,
+    allowed=None,
+    scale=None,
+    causal=True,
+    sinks=None,
 ):
     """The attention matrix A of eq. 2.2 under the mask of eqs. 5.1/7.1, in float32 (or 64).
 
     q [B, Hq, T, D], k [B, Hkv, S, D] -> A [B, Hq, T, S]; each row sums to 1, or is all zeros
     when the query sees no key. causal=False: no positions rule (bidirectional).
+    sinks [Hq]: a logit per head for a column that takes weight and is dropped (eq. 24.7), so
+    a row then sums to less than 1.
     """
     prepared = prepare(q, k, k, query_positions, key_positions, allowed, scale, causal)
-    return _weights(q, k, prepared)
+    return _weights(q, k, prepared, check_sinks(sinks, q.shape[1]))
 
 
 def causal_attention(
@@ -157,6 +179,7 @@ def causal_attention(
     scale: Optional[float] = None,
     fused: bool = False,
     causal: bool = True,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention, eq. 2.2, with the positions rule (7.1) and GQA (9.1).
 
@@ -167,14 +190,19 @@ def causal_attention(
     causal=False drops the positions rule: every query sees every key (bidirectional).
     fused=True: PyTorch's fused kernel with the same dense [B, 1, T, S] mask (chapter 15 shows
     why that mask is itself T x S, and `causal_lower_right`, which keeps the fused kernel).
+    sinks [Hq]: gpt-oss's learned sink, one logit per head whose column takes weight in the
+    softmax and is dropped after it (eq. 24.7); a query may then attend to nothing.
     """
     prepared = prepare(q, k, v, query_positions, key_positions, allowed, scale, causal)
+    sinks = check_sinks(sinks, q.shape[1])
+    if fused and sinks is not None:
+        raise ValueError("sinks need the unfused path: PyTorch's kernel has no sink column")
     if fused:  # PyTorch's kernel, given the same bottom-right mask (never is_causal: top-left)
         gqa = q.shape[1] != k.shape[1]
         mask = mask_of(prepared)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=prepared.scale, enable_gqa=gqa
         )
-    weights = _weights(q, k, prepared)  # [B, Hq, T, S]
+    weights = _weights(q, k, prepared, sinks)  # [B, Hq, T, S]
     v = repeat_kv(v, q.shape[1] // v.shape[1])  # [B, Hq, S, Dv]
     return (weights @ v.to(weights.dtype)).to(q.dtype)  # [B, Hq, T, Dv]

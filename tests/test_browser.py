@@ -45,6 +45,7 @@ SLIDER_PAGES = {  # pages and the sliders each must show
     "notebooks/20_circuits": 1,
     "notebooks/22_ring_attention": 1,
     "notebooks/23_latent_attention": 1,
+    "notebooks/24_long_context": 1,
     "notebooks/25_linear_attention": 1,
 }
 TOGGLE_PAGES = {"notebooks/05_causal_masking": 1}  # toggle-button groups needed

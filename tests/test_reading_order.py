@@ -18,7 +18,7 @@ import attnlib
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 ENGINE_MODULES = {"attention", "cost", "data", "heads", "loops", "masks", "native", "rope"}
-ENGINE_MODULES |= {"softmax", "tiled", "merge", "mla", "kv_quant", "linear_attention", "delta_rule"}
+ENGINE_MODULES |= {"softmax", "tiled", "merge", "mla", "kv_quant", "alibi", "rope_scaling", "linear_attention", "delta_rule"}
 
 # name -> the chapter that introduces it; `module` stands for every name of that module.
 INTRODUCED = {
@@ -39,6 +39,7 @@ INTRODUCED = {
     "visible_pairs": 15,
     **dict.fromkeys(["merge_attention", "merge"], 21),
     **dict.fromkeys(["mla", "kv_quant"], 23),
+    **dict.fromkeys(["alibi", "rope_scaling"], 24),
     **dict.fromkeys(["linear_attention", "delta_rule"], 25),
 }
 

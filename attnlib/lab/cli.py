@@ -200,11 +200,43 @@ def bench_fusion(args) -> int:
     return fusion.run(args)
 
 
+def mqar_arguments(parser) -> None:
+    """The options of `train-mqar`."""
+    from .recall import add_arguments
+
+    add_arguments(parser)
+
+
+def train_mqar(args) -> int:
+    """Train softmax, linear and delta-rule recall models on MQAR; write the JSON report."""
+    from . import recall
+
+    return recall.run(args)
+
+
+def length_arguments(parser) -> None:
+    """The options of `train-length` (attnlib.lab.long_context)."""
+    parser.add_argument("--out", default=None, help="folder (default: the shipped length_run)")
+    parser.add_argument("--steps", type=int, default=1500, help="AdamW steps per model")
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed")
+
+
+def train_length(args) -> int:
+    """Train copy-task models with RoPE, ALiBi and no positions; evaluate them longer."""
+    from . import long_context
+
+    out = long_context.LENGTH_RUN if args.out is None else args.out
+    long_context.train_length(out, args.steps, args.seed)
+    return 0
+
+
 COMMANDS = {
     "check-qwen3": (qwen3_arguments, check_qwen3, "Check the book's attention against Qwen3."),
     "bench": (bench_arguments, bench, "Time and measure naive, tiled and fused attention."),
     "train-lm": (lm_arguments, train_lm, "Train the small Qwen3 on the standard library."),
     "bench-fusion": (fusion_arguments, bench_fusion, "Time tiled attention's two inners."),
+    "train-mqar": (mqar_arguments, train_mqar, "Train small models on associative recall."),
+    "train-length": (length_arguments, train_length, "Train RoPE, ALiBi, NoPE models long."),
 }
 
 

@@ -40,3 +40,12 @@ def rope_theta(config) -> float:
     if kind != "default":
         raise ValueError(f"the manual pass implements plain RoPE only, this model uses {kind!r}")
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def rope_fields(rule: str, theta: float, params: dict) -> dict:
+    """Config keywords for a RoPE rule with Hugging Face's parameter names (`factor`, ...):
+    v5 one dict `rope_parameters`, v4 `rope_theta` and a `rope_scaling` dict (None for plain)."""
+    if "rope_parameters" in _parameters(Qwen3Config.__init__):  # transformers 5
+        return {"rope_parameters": {"rope_type": rule, "rope_theta": theta, **params}}
+    scaling = None if rule == "default" else {"rope_type": rule, **params}
+    return {"rope_theta": theta, "rope_scaling": scaling}  # transformers 4.x
