@@ -18,7 +18,8 @@ import attnlib
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 ENGINE_MODULES = {"attention", "cost", "data", "heads", "loops", "masks", "native", "rope"}
-ENGINE_MODULES |= {"softmax", "tiled", "merge", "mla", "kv_quant", "alibi", "rope_scaling", "linear_attention", "delta_rule"}
+ENGINE_MODULES |= {"softmax", "tiled", "merge", "mla", "kv_quant", "alibi", "rope_scaling"}
+ENGINE_MODULES |= {"linear_attention", "delta_rule"}
 
 # name -> the chapter that introduces it; `module` stands for every name of that module.
 INTRODUCED = {
