@@ -654,16 +654,37 @@ def assert_one_verdict(printed: str, exercise: str):
     assert all(len(line) <= 80 for line in lines), lines
 
 
-@pytest.mark.parametrize("bug, exercise, wrong", PAIRS, ids=[f"{b}-{e}" for b, e, _ in PAIRS])
-def test_each_planted_bug_is_named(bug, exercise, wrong, capsys):
-    result = check(exercise, wrong)
-    line = capsys.readouterr().out
-    assert not result.passed
-    assert result.diagnosis == bug, result.message
-    assert result.section == BUGS[bug].section
-    assert f"`{bug}`" in result.message and f"See {BUGS[bug].section}." in result.message
-    assert_one_verdict(line, exercise)
-    assert line.rstrip("\n") == result.text
+def named_bug_test(pairs):
+    """The test that each planted wrong answer, (bug, exercise, fn) in `pairs`, is caught and
+    named with its section in one verdict; every file that plants bugs collects its own."""
+
+    @pytest.mark.parametrize("bug, exercise, wrong", pairs, ids=[f"{b}-{e}" for b, e, _ in pairs])
+    def test(bug, exercise, wrong, capsys):
+        result = check(exercise, wrong)
+        line = capsys.readouterr().out
+        assert not result.passed
+        assert result.diagnosis == bug, result.message
+        assert result.section == BUGS[bug].section
+        assert f"`{bug}`" in result.message and f"See {BUGS[bug].section}." in result.message
+        assert_one_verdict(line, exercise)
+        assert line.rstrip("\n") == result.text
+
+    return test
+
+
+def correct_answers_test(correct):
+    """The test that every right answer in `correct` (exercise -> functions) passes, undiagnosed."""
+    pairs = [(name, fn) for name, fns in correct.items() for fn in fns]
+
+    @pytest.mark.parametrize("name, fn", pairs, ids=[f"{n}-{f.__name__}" for n, f in pairs])
+    def test(name, fn):
+        result = check(name, fn)
+        assert result.passed and result.diagnosis is None, result.message
+
+    return test
+
+
+test_each_planted_bug_is_named = named_bug_test(PAIRS)
 
 
 def test_no_two_bugs_look_alike():

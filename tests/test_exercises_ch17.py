@@ -6,12 +6,10 @@ would, independently of the module's reference; one correct answer counts the ti
 Triton module's own `key_block_ends`, and one from every (query, key) pair.
 """
 
-import pytest
 import torch
 
 from attnlib.lab.exercises import BUGS, EXERCISES, check
-
-from .test_exercises import assert_bugs_differ, assert_one_verdict
+from tests.test_exercises import assert_bugs_differ, correct_answers_test, named_bug_test
 
 try:  # at collection, before any torch.compile imports triton without its interpreter
     import attnlib.lab.triton_attention as ta
@@ -86,24 +84,13 @@ def test_the_new_bugs_are_all_planted():
     assert_bugs_differ("triton_tiles", PLANTED)
 
 
-@pytest.mark.parametrize("bug, exercise, wrong", PAIRS, ids=[b for b, _, _ in PAIRS])
-def test_each_planted_bug_is_named(bug, exercise, wrong, capsys):
-    result = check(exercise, wrong)
-    printed = capsys.readouterr().out
-    assert not result.passed and result.diagnosis == bug, result.message
-    assert result.section == BUGS[bug].section
-    assert f"`{bug}`" in result.message
-    assert_one_verdict(printed, exercise)
-
-
-@pytest.mark.parametrize("fn", CORRECT["triton_tiles"], ids=lambda f: f.__name__)
-def test_correct_answers_pass(fn):
-    assert check("triton_tiles", fn).passed
-
-
 def test_a_stub_says_not_yet():
     def stub(queries, keys, block):
         raise NotImplementedError
 
     result = check("triton_tiles", stub)
     assert not result.passed and "Not implemented yet" in result.message
+
+
+test_each_planted_bug_is_named = named_bug_test(PAIRS)
+test_correct_answers_pass = correct_answers_test(CORRECT)

@@ -4,11 +4,10 @@ tests/test_exercises.py's tables, so they can join them."""
 
 import math
 
-import pytest
 import torch
 
-from attnlib.lab.exercises import BUGS, EXERCISES, check
-from tests.test_exercises import assert_bugs_differ
+from attnlib.lab.exercises import BUGS, EXERCISES
+from tests.test_exercises import assert_bugs_differ, correct_answers_test, named_bug_test
 
 
 def turn(x, position):
@@ -67,22 +66,6 @@ def test_the_new_bugs_are_all_planted():
     assert_bugs_differ("absorbed_decode", PLANTED)
 
 
-@pytest.mark.parametrize("bug, exercise, wrong", PAIRS, ids=[b for b, _, _ in PAIRS])
-def test_each_planted_bug_is_named(bug, exercise, wrong, capsys):
-    result = check(exercise, wrong)
-    printed = capsys.readouterr().out
-    assert not result.passed and result.diagnosis == bug, result.message
-    assert f"See {BUGS[bug].section}." in result.message
-    assert printed.startswith(f"{exercise}: not yet.") and "Traceback" not in printed
-
-
-@pytest.mark.parametrize("name", sorted(CORRECT))
-def test_correct_answers_pass(name):
-    for fn in CORRECT[name]:
-        result = check(name, fn)
-        assert result.passed and result.diagnosis is None, result.message
-
-
 def test_reference_equals_attnlib_mla():
     """The exercise's reference is attnlib.mla's absorbed attention at one decode query."""
     from attnlib.mla import MLAWeights, absorbed_attention
@@ -98,3 +81,7 @@ def test_reference_equals_attnlib_mla():
         out = absorbed_attention(q_c.double()[:, :, None], q_turned[:, :, None], rows, w)
         want = EXERCISES["absorbed_decode"].reference(*case.args)
         assert (out[:, 0] - want).abs().max() < 1e-12
+
+
+test_each_planted_bug_is_named = named_bug_test(PAIRS)
+test_correct_answers_pass = correct_answers_test(CORRECT)

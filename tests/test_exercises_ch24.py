@@ -7,12 +7,10 @@ would, apart from the module's reference; one is BLOOM's own function.
 
 import math
 
-import pytest
 import torch
 
 from attnlib.lab.exercises import BUGS, EXERCISES, check
-
-from .test_exercises import assert_bugs_differ, assert_one_verdict
+from tests.test_exercises import assert_bugs_differ, correct_answers_test, named_bug_test
 
 
 def slopes_loop(heads):
@@ -73,21 +71,6 @@ def test_the_new_bugs_are_all_planted():
     assert_bugs_differ("alibi_slopes", PLANTED)
 
 
-@pytest.mark.parametrize("bug, exercise, wrong", PAIRS, ids=[b for b, _, _ in PAIRS])
-def test_each_planted_bug_is_named(bug, exercise, wrong, capsys):
-    result = check(exercise, wrong)
-    printed = capsys.readouterr().out
-    assert not result.passed and result.diagnosis == bug, result.message
-    assert result.section == BUGS[bug].section
-    assert f"`{bug}`" in result.message
-    assert_one_verdict(printed, exercise)
-
-
-@pytest.mark.parametrize("fn", CORRECT["alibi_slopes"], ids=lambda f: f.__name__)
-def test_correct_answers_pass(fn):
-    assert check("alibi_slopes", fn).passed
-
-
 def test_the_reference_is_attnlibs():
     from attnlib.alibi import alibi_slopes
 
@@ -102,3 +85,7 @@ def test_a_stub_says_not_yet():
 
     result = check("alibi_slopes", stub)
     assert not result.passed and "Not implemented yet" in result.message
+
+
+test_each_planted_bug_is_named = named_bug_test(PAIRS)
+test_correct_answers_pass = correct_answers_test(CORRECT)

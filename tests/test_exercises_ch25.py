@@ -2,12 +2,11 @@
 several styles pass. `PLANTED` and `CORRECT` have the shape of tests/test_exercises.py's tables.
 """
 
-import pytest
 import torch
 
 from attnlib.delta_rule import gated_delta_rule_recurrent
-from attnlib.lab.exercises import BUGS, EXERCISES, check
-from tests.test_exercises import assert_bugs_differ, assert_one_verdict
+from attnlib.lab.exercises import BUGS, EXERCISES
+from tests.test_exercises import assert_bugs_differ, correct_answers_test, named_bug_test
 
 
 def step_einsum(state, k, v, alpha, eta):
@@ -58,21 +57,6 @@ def test_the_new_bugs_are_all_planted():
     assert_bugs_differ("gated_delta_step", PLANTED)
 
 
-@pytest.mark.parametrize("bug, exercise, wrong", PAIRS, ids=[b for b, _, _ in PAIRS])
-def test_each_planted_bug_is_named(bug, exercise, wrong, capsys):
-    result = check(exercise, wrong)
-    printed = capsys.readouterr().out
-    assert not result.passed and result.diagnosis == bug, result.message
-    assert result.section == BUGS[bug].section
-    assert_one_verdict(printed, exercise)
-
-
-@pytest.mark.parametrize("fn", CORRECT["gated_delta_step"], ids=lambda f: f.__name__)
-def test_correct_answers_pass(fn):
-    result = check("gated_delta_step", fn)
-    assert result.passed and result.diagnosis is None, result.message
-
-
 def test_the_reference_is_one_step_of_the_library_recurrence():
     ex = EXERCISES["gated_delta_step"]
     for case in ex.cases():
@@ -82,3 +66,7 @@ def test_the_reference_is_one_step_of_the_library_recurrence():
             q, k[:, :, None], v[:, :, None], alpha[..., None], eta[..., None], initial_state=state
         )
         assert torch.allclose(ex.reference(*case.args), want, atol=1e-12, rtol=0)
+
+
+test_each_planted_bug_is_named = named_bug_test(PAIRS)
+test_correct_answers_pass = correct_answers_test(CORRECT)

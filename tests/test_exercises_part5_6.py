@@ -17,6 +17,7 @@ import torch.distributed as dist
 from attnlib import causal_attention, merge_attention, tiled_attention
 from attnlib.lab.exercises import BUGS, EXERCISES, check
 from attnlib.lab.exercises.ch22 import on_two_processes, run_step
+from tests.test_exercises import correct_answers_test, named_bug_test
 
 # ---- 19.1: the weight on the start of the line -------------------------------------------
 
@@ -170,22 +171,6 @@ def test_the_new_bugs_are_all_planted():
     assert set(PLANTED) <= set(BUGS)
 
 
-@pytest.mark.parametrize("bug, exercise, wrong", PAIRS, ids=[f"{b}-{e}" for b, e, _ in PAIRS])
-def test_each_planted_bug_is_named(bug, exercise, wrong, capsys):
-    result = check(exercise, wrong)
-    printed = capsys.readouterr().out
-    assert not result.passed and result.diagnosis == bug, result.message
-    assert f"See {BUGS[bug].section}." in result.message
-    assert printed.startswith(f"{exercise}: not yet.") and "Traceback" not in printed
-
-
-@pytest.mark.parametrize("name", sorted(CORRECT))
-def test_correct_answers_pass(name):
-    for fn in CORRECT[name]:
-        result = check(name, fn)
-        assert result.passed and result.diagnosis is None, result.message
-
-
 def test_the_ring_step_equals_one_process_on_other_shapes():
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 3, 10, 6, generator=gen) for _ in range(3))
@@ -261,3 +246,7 @@ def test_globals_travel_by_value():
     q = torch.randn(1, 1, 4, 2)
     out, _ = run_step(namespace["doubled"], q, q, q)
     assert torch.equal(out, 2 * q)
+
+
+test_each_planted_bug_is_named = named_bug_test(PAIRS)
+test_correct_answers_pass = correct_answers_test(CORRECT)
