@@ -410,3 +410,32 @@ def test_printed_lines_fit_the_page(path):
         if len(line) > 80 and not line.startswith("<")  # HTML reprs wrap by themselves
     ]
     assert not wide, f"printed lines over 80 characters (cell, start): {wide}"
+
+
+def fenced_lines(markdown: str) -> list:
+    """The lines inside the ``` fences of a cell's markdown (an answer's code, a command)."""
+    inside, lines = False, []
+    for line in markdown.splitlines():
+        if line.lstrip().startswith("```"):
+            inside = not inside
+        elif inside:
+            lines.append(line)
+    return lines
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=notebook_id)
+def test_code_in_the_prose_fits_the_page(path):
+    """An answer's code and a command in the prose keep to the 80 columns of a code cell."""
+    wide = [
+        (number, line[:60])
+        for number, cell in enumerate(cells(path))
+        if cell["cell_type"] == "markdown"
+        for line in fenced_lines(source(cell))
+        if len(line) > 80
+    ]
+    assert not wide, f"lines over 80 characters in fenced code (cell, start): {wide}"
+
+
+def test_the_fence_reader_finds_the_code_lines():
+    text = "prose\n```python\nx = 1\n```\n\n```text\n" + "9" * 81 + "\n```\nmore prose"
+    assert fenced_lines(text) == ["x = 1", "9" * 81]
