@@ -112,29 +112,13 @@ def test_errors():
 
 # transformers' Qwen3-Next: the two torch functions and the whole layer.
 
-qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-
-
-def _hf(fn, q, k, v, alpha, eta, **kwargs):
-    """Call transformers' function in its layout [B, T, H, D], log-decays g = log alpha."""
-    from attnlib.lab.qwen3_next import quiet_transformers
-
-    bt = [x.transpose(1, 2).float() for x in (q, k, v, alpha.log(), eta)]
-    with quiet_transformers():
-        out, state = fn(
-            *bt[:3],
-            g=bt[3],
-            beta=bt[4],
-            initial_state=None,
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-            **kwargs,
-        )
-    return out.transpose(1, 2).double(), state.double()
+pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
 
 @pytest.mark.parametrize("t,chunk", [(1, 64), (7, 64), (70, 64), (33, 16)])
 def test_equal_to_transformers_functions(t, chunk):
+    from attnlib.lab.qwen3_next import hf_gated_delta_rule
+
     q, k, v, alpha, eta, _ = _draw(5 + t, 2, 3, t, 16, 8, low=0.5)
     raw_k = k * torch.rand(
         2, 3, t, 1, generator=torch.Generator().manual_seed(t), dtype=torch.float64
@@ -143,8 +127,8 @@ def test_equal_to_transformers_functions(t, chunk):
         F.normalize(q, dim=-1, eps=0) / 16**0.5
     )  # what use_qk_l2norm_in_kernel does, then 1/sqrt(D)
     want = gated_delta_rule_recurrent(unit_q, F.normalize(raw_k, dim=-1), v, alpha, eta)
-    got_r = _hf(qwen3_next.torch_recurrent_gated_delta_rule, q, raw_k, v, alpha, eta)
-    got_c = _hf(qwen3_next.torch_chunk_gated_delta_rule, q, raw_k, v, alpha, eta, chunk_size=chunk)
+    got_r = hf_gated_delta_rule("recurrent", q, raw_k, v, alpha, eta)
+    got_c = hf_gated_delta_rule("chunk", q, raw_k, v, alpha, eta, chunk=chunk)
     for got in (got_r, got_c):
         for a, b in zip(got, want):
             assert a.shape == b.shape

@@ -33,7 +33,7 @@ from ..mla import (
     queries,
 )
 from .hf_compat import rope_keywords
-from .qwen3 import causal_mask
+from .qwen3 import causal_mask, seed_weights
 
 # The small layer of the chapter: 4 heads, d_model 128, d_q 64, d_C 32, d_R 16, Dn = Dv = 32.
 SMALL = {
@@ -84,18 +84,10 @@ def deepseek_config(attn_implementation: str = "eager", theta: float = 10000.0, 
 
 
 def random_layer(seed: int = 0, dtype=torch.float32, **options) -> DeepseekV3Attention:
-    """A real DeepseekV3Attention with seeded weights: N(0, 1/fan_in) maps, RMSNorm gains drawn
-    from U(0.5, 1.5) (all-ones gains would hide a pass that forgets them)."""
+    """A real DeepseekV3Attention with chapter 12's `seed_weights` (its two RMSNorm gains
+    included)."""
     layer = DeepseekV3Attention(deepseek_config(**options), layer_idx=0)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in layer.named_parameters():
-            if name.endswith("layernorm.weight"):
-                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
-            else:
-                fan_in = param.shape[-1]
-                param.copy_(torch.randn(param.shape, generator=generator) / math.sqrt(fan_in))
-    return layer.to(dtype).eval()
+    return seed_weights(layer, seed).to(dtype).eval()
 
 
 def _theta(config) -> float:

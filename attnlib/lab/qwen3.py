@@ -53,13 +53,10 @@ def qwen3_config(attn_implementation: str = "sdpa", **geometry) -> Qwen3Config:
     return config
 
 
-def random_layer(seed: int = 0, dtype=torch.float32, **geometry) -> Qwen3Attention:
-    """A real Qwen3Attention with seeded random weights, Qwen3-0.6B's geometry unless overridden.
-
-    Projections get N(0, 1/fan_in) entries. The q_norm/k_norm gains are drawn from U(0.5, 1.5):
-    all-ones gains would hide a manual pass that forgot to multiply by them.
-    """
-    layer = Qwen3Attention(qwen3_config(**geometry), layer_idx=0)
+def seed_weights(layer: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Seeded random weights for a real layer, in place: N(0, 1/fan_in) entries for the maps, and
+    RMSNorm gains (every `...norm.weight`) from U(0.5, 1.5), since all-ones gains would hide a
+    manual pass that forgot to multiply by them."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in layer.named_parameters():
@@ -69,7 +66,13 @@ def random_layer(seed: int = 0, dtype=torch.float32, **geometry) -> Qwen3Attenti
                 param.copy_(
                     torch.randn(param.shape, generator=generator) / math.sqrt(param.shape[-1])
                 )
-    return layer.to(dtype).eval()
+    return layer
+
+
+def random_layer(seed: int = 0, dtype=torch.float32, **geometry) -> Qwen3Attention:
+    """A real Qwen3Attention with `seed_weights`, Qwen3-0.6B's geometry unless overridden."""
+    layer = Qwen3Attention(qwen3_config(**geometry), layer_idx=0)
+    return seed_weights(layer, seed).to(dtype).eval()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
