@@ -61,6 +61,12 @@ SIDEWAYS = """() => Array.from(document.querySelectorAll(
     && e.scrollWidth > e.clientWidth + 1)
   .map(e => `${e.scrollWidth} > ${e.clientWidth} px: `
     + (e.innerText.split('\\n').find(l => l.length > 80) || e.innerText).trim().slice(0, 60))"""
+# Display equations wider than the text column: MathJax lays a tagged one out as a full-width
+# table and the part that does not fit is cut off at the left, unreadable and unscrollable.
+WIDE_MATH = """() => Array.from(document.querySelectorAll('main mjx-container[display="true"]'))
+  .filter(e => e.firstElementChild && e.firstElementChild.getBoundingClientRect().width
+    > e.parentElement.getBoundingClientRect().width + 1)
+  .map(e => e.textContent.slice(0, 60))"""
 
 
 def toc_pages():
@@ -304,6 +310,8 @@ def test_page(visit, page):
     # Code fits the page: at 1280 px no code cell, output or code block scrolls sideways.
     sideways = p.evaluate(SIDEWAYS)
     check(not sideways, f"code or output that scrolls sideways at 1280 px: {sideways}")
+    wide_math = p.evaluate(WIDE_MATH)
+    check(not wide_math, f"display equations wider than the column at 1280 px: {wide_math}")
 
     # Colab: the text link and the launch button both open this very notebook.
     if page.startswith("notebooks/"):

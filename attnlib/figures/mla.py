@@ -78,7 +78,7 @@ def bytes_bars(rows: dict, title: str):
 
 def quantised_row(exact, quantised, bits: int, bound: float, moved: float):
     """One query's attention weights over its keys, exact and with quantised keys."""
-    fig, ax = plt.subplots(figsize=(7.0, 3.0))
+    fig, ax = plt.subplots(figsize=(6.4, 3.0))  # a slider view: within the page
     keys = range(len(exact))
     ax.plot(keys, exact, "k-", lw=1.2, label="keys exact")
     ax.plot(keys, quantised, "-", color="#dd8452", lw=1.0, label=f"keys at {bits} bits")
